@@ -1,0 +1,79 @@
+"""The base every config model derives from, and the shared top-level sections.
+
+Rules every config model follows (they make ``--help`` and the error messages work):
+
+- unknown keys are errors (``extra="forbid"``), so a typo never silently does nothing;
+- every field has a docstring directly under it: it becomes the field's description and the
+  user's documentation in ``--help``;
+- no torch import anywhere under ``config/``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class BaseConfig(BaseModel):
+    """Strict base: forbids unknown keys, validates assignment, docstrings become descriptions."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        validate_assignment=True,
+        use_attribute_docstrings=True,
+        protected_namespaces=(),
+    )
+
+
+class ModelConfig(BaseConfig):
+    """The policy model, shared by every process."""
+
+    name: str = "builtin:tiny-qwen3"
+    """Hugging Face hub id, local directory, or ``builtin:tiny-qwen3`` (a tiny random Qwen3 with a
+    tokenizer trained offline, built once and cached under ~/.cache/prime-composer)."""
+
+    revision: str | None = None
+    """Hub revision (branch, tag or commit); ignored for local directories."""
+
+    gguf_file: str | None = None
+    """GGUF file inside ``name`` to load (dequantized by transformers; needs the ``gguf`` package)."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype: ``auto`` is bfloat16 on a GPU and float32 on a CPU."""
+
+    trust_remote_code: bool = False
+    """Allow model code from the hub repository to run (only for models you trust)."""
+
+
+class CheckpointConfig(BaseConfig):
+    """When to write checkpoints and what to resume from, shared by trainer and orchestrator."""
+
+    interval: int = Field(default=0, ge=0)
+    """Write a checkpoint every this many steps; 0 writes none (except at the end if ``at_end``)."""
+
+    keep: int = Field(default=2, ge=1)
+    """How many of the newest complete checkpoints to keep; older ones are deleted."""
+
+    at_end: bool = True
+    """Also write a checkpoint after the last step."""
+
+    resume: bool = False
+    """Continue from the newest complete checkpoint in ``<output_dir>/checkpoints`` (``--resume``)."""
+
+    resume_step: int | None = Field(default=None, ge=0)
+    """Continue from this step's checkpoint instead of the newest one (implies ``resume``)."""
+
+
+SHARED_KEYS: tuple[str, ...] = (
+    "model",
+    "output_dir",
+    "max_steps",
+    "seed",
+    "max_async_level",
+    "ckpt",
+)
+"""Top-level keys of ``RLConfig`` copied into every section that has a field of the same name."""
+
+DEFAULT_OUTPUT_DIR = Path("outputs/run")

@@ -1,0 +1,442 @@
+"""The ``@ file.toml`` command line every entry point shares (PRIME-RL's conventions).
+
+    rl @ configs/quickstart.toml @ mine.toml --trainer.optim.lr 1e-6 --no-launch.progress
+    rl --trainer @ t.toml --orchestrator @ o.toml --inference @ i.toml --dry-run
+    trainer @ outputs/run/configs/trainer.json
+
+Sources, from weakest to strongest: field defaults < environment variables (``PRIME_COMPOSER_``
+then the dotted key with ``__`` for dots, e.g. ``PRIME_COMPOSER_TRAINER__OPTIM__LR``) < config
+files in command-line order (later files win) < ``--dotted.key value`` flags. A file given after
+``--section`` is scoped to that section. A file may pull in others with
+``include = ["base.toml"]`` (relative to itself); the including file wins over what it includes.
+Keys may be written in kebab-case on the command line; booleans take ``--x`` / ``--no-x``.
+
+Every user mistake becomes a ``ConfigError`` whose message names the source (file, flag or
+environment variable), the dotted key, the bad value and the nearest valid key.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from pydantic_settings import EnvSettingsSource
+
+from prime_composer.config.errors import ConfigError, did_you_mean
+
+M = TypeVar("M", bound=BaseModel)
+
+_HELP_FLAGS = ("-h", "--help")
+COMMAND_LINE = "command line"
+
+
+@dataclass
+class Layer:
+    """One source of values: a nested dict, and where each dotted leaf came from."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    origins: dict[str, str] = field(default_factory=dict)
+
+    def set(self, dotted: str, value: Any, origin: str) -> None:
+        node = self.values
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):  # an earlier flag gave the parent a scalar value
+                child = node[part] = {}
+            node = child
+        node[leaf] = value
+        self.origins[dotted] = origin
+
+
+@dataclass
+class CliOptions:
+    """Flags that steer the entry point itself rather than the config."""
+
+    help: bool = False
+    dry_run: bool = False
+
+
+# ----------------------------------------------------------------------------- model introspection
+
+
+def submodel(annotation: Any) -> type[BaseModel] | None:
+    """The BaseModel inside ``annotation`` (``M``, ``M | None``), or None for a plain value."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        models = [m for a in typing.get_args(annotation) if (m := submodel(a)) is not None]
+        return models[0] if len(models) == 1 else None
+    return None
+
+
+def list_item_model(annotation: Any) -> type[BaseModel] | None:
+    """``M`` for ``list[M]`` annotations (e.g. ``[[orchestrator.env]]`` tables)."""
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation) or (None,)
+        return submodel(item)
+    return None
+
+
+def resolve_field(model: type[BaseModel], dotted: str, origin: str) -> Any:
+    """The annotation of ``dotted`` inside ``model``; a clear error if any part is unknown."""
+    current: type[BaseModel] = model
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        fields = current.model_fields
+        if part not in fields:
+            prefix = ".".join(parts[:i])
+            candidates = [f"{prefix}.{f}" if prefix else f for f in fields]
+            raise ConfigError(
+                f"{origin}: unknown key {dotted!r}{did_you_mean('.'.join(parts[: i + 1]), candidates)}; "
+                f"see --help for the valid keys"
+            )
+        annotation = fields[part].annotation
+        if i == len(parts) - 1:
+            return annotation
+        nested = submodel(annotation)
+        if nested is None:
+            raise ConfigError(
+                f"{origin}: {'.'.join(parts[: i + 1])!r} is a value, not a section, "
+                f"so {dotted!r} does not exist"
+            )
+        current = nested
+    raise AssertionError("unreachable")
+
+
+def _is_bool(annotation: Any) -> bool:
+    if annotation is bool:
+        return True
+    args = typing.get_args(annotation)
+    return bool(args) and all(a in (bool, type(None)) for a in args)
+
+
+def _is_text(annotation: Any) -> bool:
+    """Fields whose command-line value is taken verbatim (no TOML parsing)."""
+    if annotation in (str, Path):
+        return True
+    if typing.get_origin(annotation) is typing.Literal:
+        return all(isinstance(a, str) for a in typing.get_args(annotation))
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return (
+        bool(args)
+        and typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        and all(_is_text(a) for a in args)
+    )
+
+
+def _parse_cli_value(raw: str, annotation: Any) -> Any:
+    """Turn a command-line string into a TOML-typed value where the field is not text."""
+    allows_none = type(None) in typing.get_args(annotation)
+    if allows_none and raw.lower() in ("none", "null"):
+        return None
+    if _is_text(annotation):
+        return raw
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # let pydantic report the type error with the value as typed
+
+
+# ----------------------------------------------------------------------------------- file loading
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def _normalize_keys(values: Any) -> Any:
+    """kebab-case -> snake_case in every table key, so ``weight-decay`` works in files too."""
+    if isinstance(values, dict):
+        return {k.replace("-", "_"): _normalize_keys(v) for k, v in values.items()}
+    if isinstance(values, list):
+        return [_normalize_keys(v) for v in values]
+    return values
+
+
+def load_file(path: Path, *, origin: str, _stack: tuple[Path, ...] = ()) -> Layer:
+    """Read a TOML or JSON config file, following ``include``; keys unscoped."""
+    path = path.expanduser()
+    if not path.is_file():
+        hint = "it is a directory" if path.is_dir() else "no such file"
+        raise ConfigError(f"{origin}: config file '{path}' cannot be read: {hint}")
+    resolved = path.resolve()
+    if resolved in _stack:
+        chain = " -> ".join(str(p) for p in (*_stack, resolved))
+        raise ConfigError(f"{path}: include cycle: {chain}")
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a table of keys")
+    data = _normalize_keys(data)
+
+    layer = Layer()
+    includes = data.pop("include", [])
+    if isinstance(includes, str):
+        includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise ConfigError(f"{path}: include = {includes!r}: must be a file path or a list of paths")
+    for inc in includes:
+        sub = load_file(path.parent / inc, origin=f"{path} (include)", _stack=(*_stack, resolved))
+        layer.values = _deep_merge(layer.values, sub.values)
+        layer.origins.update(sub.origins)
+    layer.values = _deep_merge(layer.values, data)
+    layer.origins.update({k: str(path) for k in _flatten(data)})
+    return layer
+
+
+def _scoped(layer: Layer, scope: str) -> Layer:
+    if not scope:
+        return layer
+    out = Layer()
+    node = out.values
+    for part in scope.split("."):
+        node = node.setdefault(part, {})
+    node.update(layer.values)
+    out.origins = {f"{scope}.{k}": v for k, v in layer.origins.items()}
+    return out
+
+
+def env_layer(model: type[BaseModel], prefix: str) -> Layer:
+    """Values from ``<prefix><KEY>__<SUB>`` environment variables, read by pydantic-settings."""
+    source = EnvSettingsSource(
+        model,  # type: ignore[arg-type]  # works on any BaseModel, given the settings explicitly
+        env_prefix=prefix,
+        env_nested_delimiter="__",
+        case_sensitive=False,
+    )
+    values = source()
+    origins = {
+        dotted: f"environment variable {prefix}{dotted.replace('.', '__').upper()}"
+        for dotted in _flatten(values)
+    }
+    return Layer(values=values, origins=origins)
+
+
+# ---------------------------------------------------------------------------------- command line
+
+
+def parse_argv(
+    argv: Sequence[str], model: type[BaseModel], aliases: dict[str, str] | None = None
+) -> tuple[list[Layer], Layer, CliOptions]:
+    """Split ``argv`` into file layers (in order), one layer of flags, and entry-point options."""
+    aliases = aliases or {}
+    files: list[Layer] = []
+    flags = Layer()
+    options = CliOptions()
+    tokens = list(argv)
+    i = 0
+
+    def take_file(scope: str) -> None:
+        nonlocal i
+        token = tokens[i]
+        if token == "@":
+            if i + 1 >= len(tokens):
+                raise ConfigError(f"{COMMAND_LINE}: '@' must be followed by a config file path")
+            path, i = tokens[i + 1], i + 2
+        else:
+            path, i = token[1:], i + 1
+        origin = f"{COMMAND_LINE} (--{scope} @ {path})" if scope else f"{COMMAND_LINE} (@ {path})"
+        files.append(_scoped(load_file(Path(path), origin=origin), scope))
+
+    while i < len(tokens):
+        token = tokens[i]
+        if token in _HELP_FLAGS:
+            options.help, i = True, i + 1
+        elif token == "--dry-run":
+            options.dry_run, i = True, i + 1
+        elif token in aliases:
+            key, value = aliases[token].split("=", 1)
+            flags.set(
+                key, _parse_cli_value(value, resolve_field(model, key, token)), f"{COMMAND_LINE} ({token})"
+            )
+            i += 1
+        elif token.startswith("@"):
+            take_file("")
+        elif token.startswith("--"):
+            name, eq, inline = token[2:].partition("=")
+            dotted = name.replace("-", "_")
+            origin = f"{COMMAND_LINE} ({token})"
+            nxt = tokens[i + 1] if i + 1 < len(tokens) else None
+            if not eq and nxt is not None and nxt.startswith("@"):
+                annotation = resolve_field(model, dotted, origin)
+                if submodel(annotation) is None:
+                    raise ConfigError(
+                        f"{origin}: a file can only be given for a section, and {dotted!r} is a value"
+                    )
+                i += 1
+                take_file(dotted)
+                continue
+            if not eq and dotted.startswith("no_") and _field_exists(model, dotted[3:]):
+                if not _is_bool(resolve_field(model, dotted[3:], origin)):
+                    raise ConfigError(f"{origin}: {dotted[3:]!r} is not a boolean; give it a value instead")
+                flags.set(dotted[3:], False, origin)
+                i += 1
+                continue
+            annotation = resolve_field(model, dotted, origin)
+            if eq:
+                raw, i = inline, i + 1
+            elif _is_bool(annotation) and (nxt is None or nxt.startswith(("--", "@"))):
+                flags.set(dotted, True, origin)
+                i += 1
+                continue
+            elif nxt is None or nxt.startswith("--"):
+                raise ConfigError(f"{origin}: missing value for --{name}")
+            else:
+                raw, i = nxt, i + 2
+            flags.set(dotted, _parse_cli_value(raw, annotation), origin)
+        else:
+            raise ConfigError(
+                f"{COMMAND_LINE}: unexpected argument {token!r}; give config files as '@ file.toml' "
+                f"and settings as '--dotted.key value'"
+            )
+    return files, flags, options
+
+
+def _field_exists(model: type[BaseModel], dotted: str) -> bool:
+    try:
+        resolve_field(model, dotted, "")
+    except ConfigError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def origin_of(dotted: str, origins: dict[str, str]) -> str:
+    """Where ``dotted`` (or its nearest parent or child) was set; ``defaults`` if nowhere."""
+    if dotted in origins:
+        return origins[dotted]
+    parts = dotted.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        if (parent := ".".join(parts[:n])) in origins:
+            return origins[parent]
+    children = [v for k, v in origins.items() if k.startswith(dotted + ".")]
+    return children[0] if children else "defaults"
+
+
+def _model_at(model: type[BaseModel], loc: Sequence[Any]) -> type[BaseModel] | None:
+    current: type[BaseModel] | None = model
+    for part in loc:
+        if current is None:
+            return None
+        if isinstance(part, int):
+            continue
+        info = current.model_fields.get(str(part))
+        if info is None:
+            return None
+        current = submodel(info.annotation) or list_item_model(info.annotation)
+    return current
+
+
+def format_validation_error(error: ValidationError, model: type[BaseModel], origins: dict[str, str]) -> str:
+    """One line per problem: source, dotted key, bad value, what is wrong, nearest valid key."""
+    lines = []
+    for err in error.errors():
+        loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        dotted = ".".join(str(p) for p in loc)
+        origin = origin_of(dotted, origins)
+        if err["type"] == "extra_forbidden":
+            parent = _model_at(model, loc[:-1])
+            prefix = ".".join(str(p) for p in loc[:-1])
+            candidates = [f"{prefix}.{f}" if prefix else f for f in (parent.model_fields if parent else [])]
+            lines.append(f"{origin}: unknown key {dotted!r}{did_you_mean(dotted, candidates)}")
+        elif err["type"] == "missing":
+            lines.append(f"{origin}: {dotted} is required but was not set")
+        else:
+            value = err.get("input")
+            shown = repr(value) if not isinstance(value, dict) else "{...}"
+            lines.append(f"{origin}: {dotted or '<root>'} = {shown}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def build_config(
+    argv: Sequence[str],
+    model: type[M],
+    *,
+    env_prefix: str,
+    aliases: dict[str, str] | None = None,
+    finalize: Callable[[M, dict[str, str]], M] | None = None,
+) -> tuple[M, CliOptions]:
+    """Parse ``argv`` and the environment into a validated ``model`` instance.
+
+    ``finalize`` runs after validation with the per-key origins (e.g. to unify shared keys).
+    """
+    files, flags, options = parse_argv(argv, model, aliases)
+    layers = [env_layer(model, env_prefix), *files, flags]
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for layer in layers:
+        values = _deep_merge(values, layer.values)
+        origins.update(layer.origins)
+    if options.help:
+        return model.model_construct(), options
+    try:
+        config = model.model_validate(values)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, model, origins)) from None
+    if finalize is not None:
+        config = finalize(config, origins)
+    return config, options
+
+
+def run_entry_point(
+    model: type[M],
+    main: Callable[[M], int | None],
+    *,
+    prog: str,
+    env_prefix: str,
+    argv: Sequence[str] | None = None,
+    aliases: dict[str, str] | None = None,
+    finalize: Callable[[M, dict[str, str]], M] | None = None,
+    describe: str = "",
+) -> int:
+    """The whole life of a console script: parse, ``--help``/``--dry-run``, run, exit code."""
+    from prime_composer.config.help import render_help
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        config, options = build_config(argv, model, env_prefix=env_prefix, aliases=aliases, finalize=finalize)
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if options.help:
+        print(render_help(model, prog=prog, describe=describe, env_prefix=env_prefix, aliases=aliases))
+        return 0
+    if options.dry_run:
+        print(json.dumps(config.model_dump(mode="json"), indent=2))
+        return 0
+    try:
+        return main(config) or 0
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,59 @@
+"""Config of the ``inference`` process (OpenAI-compatible server)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, ModelConfig
+
+
+class InferenceConfig(BaseConfig):
+    """The inference server: ``hf`` (embedded, CPU or GPU) or ``vllm``."""
+
+    backend: Literal["hf", "vllm"] = "hf"
+    """``hf``: the embedded transformers server (CPU or GPU); ``vllm``: launch vLLM's server."""
+
+    host: str = "127.0.0.1"
+    """Address to bind. Anything but loopback requires ``secret_env`` to be set."""
+
+    port: int = Field(default=8000, ge=1, le=65535)
+    """TCP port of the OpenAI-compatible API."""
+
+    secret_env: str | None = None
+    """Name of the environment variable holding the shared secret that admin endpoints
+    (``/update_weights``, ``/reload_weights``) require as ``Authorization: Bearer <secret>``."""
+
+    model: ModelConfig = ModelConfig()
+    """Shared with the other processes (set it at the top level)."""
+
+    output_dir: Path = DEFAULT_OUTPUT_DIR
+    """Shared run directory; weight updates are only accepted from ``<output_dir>/broadcasts``."""
+
+    seed: int = 0
+    """Shared seed; requests without their own ``seed`` sample from a generator seeded with it."""
+
+    served_model_name: str | None = None
+    """Model name the API serves (``/v1/models`` and the ``model`` field of requests); ``None``
+    serves it as ``model.name``."""
+
+    max_model_len: int | None = Field(default=None, ge=2)
+    """Context length: prompt plus ``max_tokens`` must fit in it. ``None`` uses the model's
+    ``max_position_embeddings``."""
+
+    device: str = "auto"
+    """``hf`` backend: ``auto`` (``cuda`` when a GPU is visible, else ``cpu``), ``cpu``, ``cuda``
+    or ``cuda:<index>``."""
+
+    max_num_seqs: int = Field(default=64, ge=1)
+    """``hf`` backend: most sequences decoded together in one batch; more requests wait for a
+    free slot (one sequence per choice, so a request with ``n=4`` takes four)."""
+
+    max_prefill_tokens: int = Field(default=8192, ge=1)
+    """``hf`` backend: padded prompt tokens admitted into one prefill forward (a longer single
+    prompt is still admitted alone); bounds the pause new requests cause to running ones."""
+
+    num_threads: int | None = Field(default=None, ge=1)
+    """``hf`` backend on CPU: torch intra-op threads; ``None`` keeps torch's default."""

@@ -1,0 +1,44 @@
+"""Resolve an ``RLConfig`` from the command line: parse, validate, unify shared keys, wire processes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prime_composer.config.cli import CliOptions, build_config, origin_of
+from prime_composer.config.errors import ConfigError
+from prime_composer.config.rl import RLConfig
+from prime_composer.config.shared import unify_shared_keys
+
+ENV_PREFIX = "PRIME_COMPOSER_"
+RL_ALIASES = {"--resume": "ckpt.resume=true"}
+
+
+def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
+    """Shared keys, then the wiring between processes the user should not have to repeat."""
+    config = unify_shared_keys(config, origins)
+    if config.ckpt.resume_step is not None and not config.ckpt.resume:
+        config.ckpt.resume = True
+        for section in (config.trainer, config.orchestrator):
+            section.ckpt.resume = True
+    inference = config.inference
+    expected = f"http://{_client_host(inference.host)}:{inference.port}/v1"
+    if "base_url" in config.orchestrator.model_fields_set and config.orchestrator.base_url != expected:
+        raise ConfigError(
+            f"{origin_of('orchestrator.base_url', origins)}: "
+            f"orchestrator.base_url = {config.orchestrator.base_url!r} but the launcher starts the "
+            f"inference server at {expected}; remove orchestrator.base_url (rl sets it) or change "
+            f"inference.host / inference.port"
+        )
+    config.orchestrator.base_url = expected
+    return config
+
+
+def _client_host(bind_host: str) -> str:
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "") else bind_host
+
+
+def resolve_rl_config(argv: Sequence[str]) -> tuple[RLConfig, CliOptions]:
+    """The resolved config for ``argv`` (raises ConfigError on user mistakes)."""
+    return build_config(
+        argv, RLConfig, env_prefix=ENV_PREFIX, aliases=RL_ALIASES, finalize=finalize_rl_config
+    )

@@ -1,0 +1,76 @@
+"""``RLConfig``: the root config of ``rl``, holding one section per process plus shared keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, CheckpointConfig, ModelConfig
+from prime_composer.config.inference import InferenceConfig
+from prime_composer.config.orchestrator import OrchestratorConfig
+from prime_composer.config.trainer import TrainerConfig
+
+
+class LaunchConfig(BaseConfig):
+    """How the ``rl`` launcher starts, watches and stops the processes."""
+
+    health_timeout_s: float = Field(default=300.0, gt=0)
+    """Seconds to wait for the inference server's ``/health`` before giving up."""
+
+    stop_timeout_s: float = Field(default=10.0, gt=0)
+    """Seconds a process gets to exit after SIGTERM before it is killed."""
+
+    progress: bool = True
+    """Show the live progress display (turn off for plain logs, e.g. in CI)."""
+
+    refresh_s: float = Field(default=1.0, gt=0)
+    """Seconds between progress display refreshes."""
+
+
+class RLConfig(BaseSettings):
+    """Everything ``rl`` needs: shared keys at the top, one section per process.
+
+    Shared keys (``model``, ``output_dir``, ``max_steps``, ``seed``, ``max_async_level``,
+    ``ckpt``) are set once here and copied into every section that uses them.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="PRIME_COMPOSER_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+        use_attribute_docstrings=True,
+        protected_namespaces=(),
+    )
+
+    model: ModelConfig = ModelConfig()
+    """The policy model, for every process."""
+
+    output_dir: Path = DEFAULT_OUTPUT_DIR
+    """Run directory: configs/, logs/, metrics/, rollouts/, broadcasts/, checkpoints/."""
+
+    max_steps: int = Field(default=20, ge=1)
+    """Number of training steps."""
+
+    seed: int = 0
+    """Seed for initialisation, data order and sampling."""
+
+    max_async_level: int = Field(default=1, ge=0)
+    """How many steps the orchestrator may sample ahead of the trainer's weights (0 = on-policy)."""
+
+    ckpt: CheckpointConfig = CheckpointConfig()
+    """Checkpointing and resume."""
+
+    trainer: TrainerConfig = TrainerConfig()
+    """The trainer process."""
+
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    """The orchestrator process."""
+
+    inference: InferenceConfig = InferenceConfig()
+    """The inference server process."""
+
+    launch: LaunchConfig = LaunchConfig()
+    """The launcher itself."""

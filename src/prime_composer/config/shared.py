@@ -1,0 +1,87 @@
+"""Shared keys: set once at the top of ``RLConfig``, copied into every section that has them.
+
+Rule, per leaf (e.g. ``model.name``, ``max_steps``):
+- set at the top level: every section gets that value; a section that set a different one is an
+  error (it would silently train one model and sample from another);
+- not set at the top but set by sections (PRIME-RL's ``--trainer @ t.toml`` form): they must
+  agree, and the agreed value becomes the top-level one and reaches the other sections;
+- set nowhere: the top-level default reaches every section.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from prime_composer.config.base import SHARED_KEYS
+from prime_composer.config.cli import origin_of
+from prime_composer.config.errors import ConfigError
+
+SECTIONS = ("trainer", "orchestrator", "inference")
+
+
+def _unify(
+    top: BaseModel,
+    name: str,
+    top_explicit: bool,
+    holders: list[tuple[str, BaseModel, bool]],
+    dotted: str,
+    origins: dict[str, str],
+) -> None:
+    """Unify field ``name`` of ``top`` with the same field of each (section, object, explicit)."""
+    top_value: Any = getattr(top, name)
+    top_explicit = top_explicit and name in top.model_fields_set
+    if isinstance(top_value, BaseModel):
+        for sub in type(top_value).model_fields:
+            _unify(
+                top_value,
+                sub,
+                top_explicit,
+                [(s, getattr(obj, name), exp and name in obj.model_fields_set) for s, obj, exp in holders],
+                f"{dotted}.{sub}",
+                origins,
+            )
+        return
+    explicit = [(s, getattr(obj, name)) for s, obj, exp in holders if exp and name in obj.model_fields_set]
+    if top_explicit:
+        for section, value in explicit:
+            if value != top_value:
+                raise ConfigError(
+                    f"{origin_of(f'{section}.{dotted}', origins)}: {section}.{dotted} = {value!r} conflicts "
+                    f"with {dotted} = {top_value!r} ({origin_of(dotted, origins)}); {dotted} is shared by "
+                    f"every process: set it once at the top level"
+                )
+    elif explicit:
+        first_section, first_value = explicit[0]
+        for section, value in explicit[1:]:
+            if value != first_value:
+                raise ConfigError(
+                    f"{origin_of(f'{section}.{dotted}', origins)}: {section}.{dotted} = {value!r} conflicts "
+                    f"with {first_section}.{dotted} = {first_value!r} "
+                    f"({origin_of(f'{first_section}.{dotted}', origins)}); {dotted} is shared by every "
+                    f"process: set it once at the top level"
+                )
+        setattr(top, name, first_value)
+        top_value = first_value
+    for _, obj, _ in holders:
+        if getattr(obj, name) != top_value:
+            setattr(obj, name, top_value)
+
+
+def unify_shared_keys(config: Any, origins: dict[str, str]) -> Any:
+    """Apply the rule above to every key in ``SHARED_KEYS``, in place; returns ``config``."""
+    for key in SHARED_KEYS:
+        holders = [
+            (section, getattr(config, section), True)
+            for section in SECTIONS
+            if key in type(getattr(config, section)).model_fields and section in config.model_fields_set
+        ]
+        # Sections never mentioned anywhere still take the shared value.
+        passive = [
+            (section, getattr(config, section), False)
+            for section in SECTIONS
+            if key in type(getattr(config, section)).model_fields and section not in config.model_fields_set
+        ]
+        _unify(config, key, True, holders + passive, key, origins)
+    return config

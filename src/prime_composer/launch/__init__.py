@@ -1,0 +1,1 @@
+"""The ``rl`` launcher: resolve the config, start, watch and stop the processes."""

@@ -1,0 +1,111 @@
+"""The launcher's live view of a run, read from the processes' metrics files.
+
+On a terminal it is a rich panel that refreshes in place; elsewhere (CI, a log file) it prints
+one plain line per new trainer step. It only reads ``<output_dir>/metrics/*.jsonl``, so it shows
+the same numbers a user would plot afterwards.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+
+from prime_composer.metrics import read_metrics
+
+# (label, process, metric key) shown when present; the first matching key wins.
+COLUMNS: list[tuple[str, str, tuple[str, ...]]] = [
+    ("reward", "orchestrator", ("reward/mean",)),
+    ("eval acc", "orchestrator", ("eval/accuracy",)),
+    ("loss", "trainer", ("loss/total", "loss")),
+    ("entropy", "trainer", ("entropy",)),
+    ("sdpo", "trainer", ("loss/sdpo",)),
+    ("hinted", "orchestrator", ("sdpo/hinted_fraction",)),
+    ("tokens/s", "trainer", ("perf/tokens_per_s",)),
+]
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+class Progress:
+    def __init__(
+        self, metrics_dir: Path, max_steps: int, *, live: bool, console: Console | None = None
+    ) -> None:
+        self.metrics_dir = metrics_dir
+        self.max_steps = max_steps
+        self.console = console or Console(stderr=False)
+        self.live = live and self.console.is_terminal
+        self.start = time.monotonic()
+        self._last_printed_step = -1
+        self._live: Live | None = None
+
+    def latest(self) -> dict[str, dict[str, Any]]:
+        return {
+            process: (records[-1] if (records := read_metrics(self.metrics_dir / f"{process}.jsonl")) else {})
+            for process in ("trainer", "orchestrator")
+        }
+
+    def values(self) -> tuple[int, list[tuple[str, Any]]]:
+        latest = self.latest()
+        step = int(latest["trainer"].get("step", 0))
+        shown = []
+        for label, process, keys in COLUMNS:
+            record = latest[process]
+            for key in keys:
+                if key in record:
+                    shown.append((label, record[key]))
+                    break
+        return step, shown
+
+    def tick(self, statuses: dict[str, str]) -> None:
+        step, shown = self.values()
+        if self.live:
+            if self._live is None:
+                self._live = Live(
+                    self._render(step, shown, statuses), console=self.console, auto_refresh=False
+                )
+                self._live.start()
+            self._live.update(self._render(step, shown, statuses), refresh=True)
+        elif step > self._last_printed_step and shown:
+            self._last_printed_step = step
+            parts = " ".join(f"{label}={_fmt(v)}" for label, v in shown)
+            print(
+                f"step {step}/{self.max_steps} {parts} elapsed={time.monotonic() - self.start:.0f}s",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def _render(self, step: int, shown: list[tuple[str, Any]], statuses: dict[str, str]) -> Table:
+        table = Table.grid(padding=(0, 2))
+        bar = ProgressBar(total=self.max_steps, completed=step, width=40)
+        header = Table.grid(padding=(0, 1))
+        header.add_row(f"step {step}/{self.max_steps}", bar, f"{time.monotonic() - self.start:.0f}s")
+        table.add_row(header)
+        metrics = Table(box=None, show_header=True, header_style="bold")
+        for label, _ in shown:
+            metrics.add_column(label, justify="right")
+        if shown:
+            metrics.add_row(*(_fmt(v) for _, v in shown))
+            table.add_row(metrics)
+        table.add_row("  ".join(f"{name}: {status}" for name, status in statuses.items()))
+        return table
+
+
+def is_terminal() -> bool:
+    return sys.stdout.isatty()

@@ -1,0 +1,132 @@
+"""``rl``: one command that runs inference, orchestrator and trainer together.
+
+    uv run rl @ configs/quickstart.toml
+    uv run rl --trainer @ t.toml --orchestrator @ o.toml --inference @ i.toml --max-steps 50
+    uv run rl @ configs/quickstart.toml --resume
+
+It resolves the config, writes each process's resolved config to ``<output_dir>/configs/``
+(so any process can be rerun alone: ``uv run trainer @ <output_dir>/configs/trainer.json``),
+starts the processes with logs in ``<output_dir>/logs/``, shows progress from
+``<output_dir>/metrics/``, and stops everything together on error, Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from prime_composer.config.resolve import ENV_PREFIX, RL_ALIASES, finalize_rl_config
+from prime_composer.config.rl import RLConfig
+from prime_composer.io import atomic_write_text
+from prime_composer.launch.launcher import Launcher
+from prime_composer.launch.process import ProcessSpec
+from prime_composer.launch.progress import Progress
+
+PROCESS_MODULES = {
+    "inference": "prime_composer.inference.main",
+    "orchestrator": "prime_composer.orchestrator.main",
+    "trainer": "prime_composer.trainer.main",
+}
+
+
+def write_resolved_configs(config: RLConfig) -> dict[str, Path]:
+    """``<output_dir>/configs/{rl,inference,orchestrator,trainer}.json``; returns their paths.
+
+    Secrets never reach these files: configs hold the *names* of environment variables that
+    hold secrets, and any secret-typed field is dumped redacted.
+    """
+    config_dir = config.output_dir / "configs"
+    paths = {"rl": config_dir / "rl.json"}
+    atomic_write_text(paths["rl"], json.dumps(config.model_dump(mode="json"), indent=2) + "\n")
+    for name in PROCESS_MODULES:
+        paths[name] = config_dir / f"{name}.json"
+        section = getattr(config, name)
+        atomic_write_text(paths[name], json.dumps(section.model_dump(mode="json"), indent=2) + "\n")
+    return paths
+
+
+def build_specs(config: RLConfig, config_paths: dict[str, Path]) -> list[ProcessSpec]:
+    """The processes of one run, in start order."""
+    python = sys.executable
+    inference = config.inference
+    health_host = "127.0.0.1" if inference.host in ("0.0.0.0", "::", "") else inference.host
+    specs = [
+        ProcessSpec(
+            name="inference",
+            argv=[python, "-m", PROCESS_MODULES["inference"], "@", str(config_paths["inference"])],
+            kind="service",
+            health_url=f"http://{health_host}:{inference.port}/health",
+        ),
+        ProcessSpec(
+            name="orchestrator",
+            argv=[python, "-m", PROCESS_MODULES["orchestrator"], "@", str(config_paths["orchestrator"])],
+            kind="job",
+        ),
+    ]
+    trainer_argv = ["-m", PROCESS_MODULES["trainer"], "@", str(config_paths["trainer"])]
+    if config.trainer.num_ranks > 1:
+        trainer_argv = [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={config.trainer.num_ranks}",
+            *trainer_argv,
+        ]
+    specs.append(ProcessSpec(name="trainer", argv=[python, *trainer_argv], kind="job"))
+    return specs
+
+
+def resume_command(argv: Sequence[str]) -> str:
+    args = list(argv)
+    if "--resume" not in args:
+        args.append("--resume")
+    return "uv run rl " + shlex.join(args)
+
+
+def launch(config: RLConfig, argv: Sequence[str]) -> int:
+    paths = write_resolved_configs(config)
+    specs = build_specs(config, paths)
+    progress = Progress(config.output_dir / "metrics", config.max_steps, live=config.launch.progress)
+    print(f"rl: output in {config.output_dir} (logs/, metrics/, configs/)", flush=True)
+    launcher = Launcher(
+        specs,
+        config.output_dir / "logs",
+        health_timeout_s=config.launch.health_timeout_s,
+        stop_timeout_s=config.launch.stop_timeout_s,
+        poll_s=min(0.2, config.launch.refresh_s),
+        on_tick=progress.tick,
+    )
+    try:
+        result = launcher.run()
+    finally:
+        progress.close()
+    if result.exit_code != 0:
+        print(f"rl: run stopped ({result.reason}). To continue: {resume_command(argv)}", flush=True)
+    else:
+        print(f"rl: done: {config.max_steps} steps in {config.output_dir}", flush=True)
+    return result.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from prime_composer.config.cli import run_entry_point
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sys.exit(
+        run_entry_point(
+            RLConfig,
+            lambda config: launch(config, argv),
+            prog="rl",
+            env_prefix=ENV_PREFIX,
+            argv=argv,
+            aliases=RL_ALIASES,
+            finalize=finalize_rl_config,
+            describe="Run inference, orchestrator and trainer together (see docs/architecture.md).",
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""Turn a ``model.name`` from the config into something ``from_pretrained`` accepts."""
+
+from __future__ import annotations
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = ("tiny-qwen3",)
+
+
+def resolve_model_name(name: str) -> str:
+    """Hub ids and local paths pass through; ``builtin:tiny-qwen3`` is built once and cached."""
+    if not name.startswith(BUILTIN_PREFIX):
+        return name
+    builtin = name.removeprefix(BUILTIN_PREFIX)
+    if builtin == "tiny-qwen3":
+        from prime_composer.model.tiny import build_tiny_model
+
+        return str(build_tiny_model())
+    raise ValueError(
+        f"model.name = {name!r}: unknown built-in model; choose one of "
+        + ", ".join(BUILTIN_PREFIX + b for b in BUILTIN_MODELS)
+    )

@@ -1,0 +1,1 @@
+"""The orchestrator: rollouts, rewards, advantages, packing; never imports trainer or model code."""

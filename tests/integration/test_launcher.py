@@ -1,0 +1,192 @@
+"""The launcher with real child processes: a crash, Ctrl-C / SIGTERM, and a clean finish.
+
+Each fake child writes its pid (and the pid of a grandchild it spawns) to a file, so the tests
+can check that whole process trees are gone afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from prime_composer.launch.launcher import Launcher
+from prime_composer.launch.process import ProcessSpec
+
+CHILD = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    name, pid_dir, lifetime, code = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(os.path.join(pid_dir, name), "w") as f:
+        f.write(f"{os.getpid()} {grandchild.pid}")
+    print(f"{name} started", flush=True)
+    if lifetime >= 0:
+        time.sleep(lifetime)
+        print(f"{name} exiting with {code}", flush=True)
+        grandchild.kill()
+        sys.exit(code)
+    time.sleep(600)
+    """
+)
+
+
+def spec(tmp_path: Path, name: str, kind: str, lifetime: float, code: int = 0) -> ProcessSpec:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir(exist_ok=True)
+    return ProcessSpec(
+        name=name,
+        argv=[sys.executable, str(script), name, str(pid_dir), str(lifetime), str(code)],
+        kind=kind,  # type: ignore[arg-type]
+    )
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose; /proc tells.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def all_pids(tmp_path: Path) -> list[int]:
+    pids = []
+    for f in (tmp_path / "pids").iterdir():
+        pids += [int(p) for p in f.read_text().split()]
+    return pids
+
+
+def wait_for_pids(tmp_path: Path, count: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (tmp_path / "pids").exists() and len(list((tmp_path / "pids").iterdir())) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError("children did not start")
+
+
+def test_crash_stops_the_others_and_leaves_nothing_running(tmp_path: Path) -> None:
+    messages: list[str] = []
+    launcher = Launcher(
+        [
+            spec(tmp_path, "server", "service", -1),
+            spec(tmp_path, "worker", "job", -1),
+            spec(tmp_path, "crasher", "job", 1.0, code=3),
+        ],
+        tmp_path / "logs",
+        stop_timeout_s=5,
+        echo=messages.append,
+    )
+    result = launcher.run()
+    assert result.exit_code == 1
+    assert result.failed == "crasher"
+    assert "crasher exited with code 3" in messages[0]
+    assert "crasher exiting with 3" in messages[0]  # the tail of its log is shown
+    pids = all_pids(tmp_path)
+    assert len(pids) == 6
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)]
+    assert (tmp_path / "logs" / "server.log").read_text().startswith("server started")
+
+
+def test_clean_finish_stops_services(tmp_path: Path) -> None:
+    launcher = Launcher(
+        [
+            spec(tmp_path, "server", "service", -1),
+            spec(tmp_path, "a", "job", 0.5),
+            spec(tmp_path, "b", "job", 1.0),
+        ],
+        tmp_path / "logs",
+        stop_timeout_s=5,
+        echo=lambda _: None,
+    )
+    result = launcher.run()
+    assert result.exit_code == 0 and result.failed is None
+    assert not [p for p in all_pids(tmp_path) if alive(p)]
+
+
+def test_service_that_dies_fails_the_run(tmp_path: Path) -> None:
+    launcher = Launcher(
+        [spec(tmp_path, "server", "service", 0.5, code=0), spec(tmp_path, "job", "job", -1)],
+        tmp_path / "logs",
+        stop_timeout_s=5,
+        echo=lambda _: None,
+    )
+    result = launcher.run()
+    assert result.exit_code == 1 and result.failed == "server"
+    assert not [p for p in all_pids(tmp_path) if alive(p)]
+
+
+def test_health_wait_fails_when_server_dies_before_healthy(tmp_path: Path) -> None:
+    server = spec(tmp_path, "server", "service", 0.3, code=7)
+    server.health_url = "http://127.0.0.1:9/health"  # nothing listens on the discard port
+    later = spec(tmp_path, "job", "job", -1)
+    messages: list[str] = []
+    result = Launcher([server, later], tmp_path / "logs", echo=messages.append).run()
+    assert result.failed == "server"
+    assert "before it was healthy" in result.reason
+    assert not (tmp_path / "pids" / "job").exists()  # the dependent never started
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_stops_everything(tmp_path: Path, sig: signal.Signals, code: int) -> None:
+    specs = [spec(tmp_path, "server", "service", -1), spec(tmp_path, "job", "job", -1)]
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            from pathlib import Path
+            from prime_composer.launch.launcher import Launcher
+            from prime_composer.launch.process import ProcessSpec
+            specs = [ProcessSpec(name=n, argv=a, kind=k) for n, a, k in {[(s.name, s.argv, s.kind) for s in specs]!r}]
+            sys.exit(Launcher(specs, Path({str(tmp_path / "logs")!r}), stop_timeout_s=5).run().exit_code)
+            """
+        )
+    )
+    proc = subprocess.Popen([sys.executable, str(driver)])
+    wait_for_pids(tmp_path, 2)
+    time.sleep(0.3)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=30) == code
+    assert not [p for p in all_pids(tmp_path) if alive(p)]
+
+
+def test_launcher_killed_with_sigkill_leaves_no_orphans(tmp_path: Path) -> None:
+    """PR_SET_PDEATHSIG: children get SIGTERM when the launcher dies without cleaning up."""
+    specs = [spec(tmp_path, "server", "service", -1)]
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        textwrap.dedent(
+            f"""
+            from pathlib import Path
+            from prime_composer.launch.launcher import Launcher
+            from prime_composer.launch.process import ProcessSpec
+            s = {[(s.name, s.argv, s.kind) for s in specs]!r}[0]
+            Launcher([ProcessSpec(name=s[0], argv=s[1], kind=s[2])], Path({str(tmp_path / "logs")!r})).run()
+            """
+        )
+    )
+    proc = subprocess.Popen([sys.executable, str(driver)])
+    wait_for_pids(tmp_path, 1)
+    proc.kill()
+    proc.wait()
+    child_pid = all_pids(tmp_path)[0]
+    deadline = time.monotonic() + 10
+    while alive(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child_pid)
