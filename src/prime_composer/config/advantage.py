@@ -1,0 +1,31 @@
+"""Config of the orchestrator's advantage computation (``[orchestrator.advantage]``).
+
+The defaults are Dr. GRPO-style (group-mean baseline, no std scaling) with DAPO's dynamic
+sampling; the soft overlong penalty is off until ``overlong_buffer`` is set.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from prime_composer.config.base import BaseConfig
+
+
+class AdvantageConfig(BaseConfig):
+    """How rewards become per-sample advantages, and which groups are kept."""
+
+    std_scaling: bool = False
+    """Divide each advantage by its group's reward std (GRPO). Off = Dr. GRPO, which avoids
+    up-weighting groups whose rewards barely differ."""
+
+    dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal (zero advantage, no gradient) and sample more
+    groups until the batch is full (DAPO)."""
+
+    overlong_buffer: int = Field(default=0, ge=0)
+    """DAPO soft overlong penalty: length of the band, in tokens, before the completion budget
+    (``max_tokens``) in which the reward is linearly reduced. 0 turns the penalty off."""
+
+    overlong_penalty: float = Field(default=1.0, ge=0.0)
+    """Penalty at the end of the band (a completion of ``max_tokens`` tokens or more gets
+    ``-overlong_penalty`` added to its reward)."""

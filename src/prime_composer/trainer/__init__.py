@@ -1,0 +1,1 @@
+"""The trainer process: model, loss terms, the optimizer step, checkpoints and weight publishing."""

@@ -1,0 +1,1 @@
+"""Moving data between processes: batches orchestrator -> trainer, weights trainer -> inference."""

@@ -1,0 +1,133 @@
+"""The packed micro-batch the orchestrator hands to a trainer rank, and its byte format.
+
+Every tensor is ``[R, T]`` (rows x packed sequence length) and aligned with ``input_ids``: the
+value at ``t`` describes token ``t`` (its advantage, the logprob the inference server sampled it
+with, whether it is trained on). The trainer does the shift to next-token prediction.
+
+The step-level counts (``num_loss_tokens``, ``num_samples``, ``max_completion_len``) are global
+over all ranks and micro-batches of the step, so each rank can normalise its partial loss sum by
+the same denominator and the gradient does not depend on how the step was split.
+
+Bytes on the wire are a safetensors blob (tensors named ``<micro-batch index>/<field>``) whose
+header metadata holds the step, the rank and the counts as JSON: nothing is unpickled, so a
+received batch cannot run code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+FORMAT_VERSION = 1
+
+TENSOR_DTYPES: dict[str, torch.dtype] = {
+    "input_ids": torch.long,
+    "position_ids": torch.long,
+    "loss_mask": torch.bool,
+    "advantages": torch.float32,
+    "inference_logprobs": torch.float32,
+    "sample_ids": torch.long,
+}
+"""Name and dtype of every tensor field of ``MicroBatch``."""
+
+COUNT_FIELDS = ("num_loss_tokens", "num_samples", "max_completion_len")
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward unit for one trainer rank. Shapes ``[R, T]``."""
+
+    input_ids: torch.Tensor
+    """Token ids of the packed samples; padding uses the tokenizer's pad id."""
+    position_ids: torch.Tensor
+    """Position of each token within its own sample (restarts at 0 for every packed sample);
+    a padding run is numbered 0, 1, ... like one more sample."""
+    loss_mask: torch.Tensor
+    """True only on tokens the policy generated (``Sample.completion_mask == 1``)."""
+    advantages: torch.Tensor
+    """The sample's advantage on each of its loss tokens, 0 elsewhere."""
+    inference_logprobs: torch.Tensor
+    """Logprob the inference server sampled each completion token with; 0 on prompt, tool and
+    padding tokens."""
+    sample_ids: torch.Tensor
+    """Index of the token's sample, unique within the step; -1 on padding."""
+    num_loss_tokens: int
+    """Loss tokens in the whole step (all ranks, all micro-batches)."""
+    num_samples: int
+    """Samples in the whole step."""
+    max_completion_len: int
+    """Longest completion (tokens after the prompt, after truncation) in the whole step."""
+
+    def __post_init__(self) -> None:
+        shape = self.input_ids.shape
+        if len(shape) != 2:
+            raise ValueError(f"MicroBatch.input_ids must be [R, T], got shape {tuple(shape)}")
+        for name, dtype in TENSOR_DTYPES.items():
+            value = getattr(self, name)
+            if value.shape != shape or value.dtype != dtype:
+                raise ValueError(
+                    f"MicroBatch.{name} must be {dtype} of shape {tuple(shape)}, "
+                    f"got {value.dtype} of shape {tuple(value.shape)}"
+                )
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in TENSOR_DTYPES}
+
+    def counts(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in COUNT_FIELDS}
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        moved: dict[str, Any] = {k: v.to(device) for k, v in self.tensors().items()}
+        return replace(self, **moved)
+
+
+# Every dataclass field is either a tensor or a count; a new field must be added to one of them.
+assert {f.name for f in fields(MicroBatch)} == set(TENSOR_DTYPES) | set(COUNT_FIELDS)
+
+
+def encode_rank_batch(step: int, rank: int, micro_batches: list[MicroBatch]) -> bytes:
+    """Serialize one rank's micro-batches of one step to bytes (safetensors + JSON header)."""
+    tensors = {
+        f"{i}/{name}": value.detach().cpu().contiguous()
+        for i, mb in enumerate(micro_batches)
+        for name, value in mb.tensors().items()
+    }
+    header = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "rank": rank,
+        "counts": [mb.counts() for mb in micro_batches],
+    }
+    return save_safetensors(tensors, metadata={"prime_composer": json.dumps(header)})
+
+
+def decode_rank_batch(data: bytes) -> tuple[int, int, list[MicroBatch]]:
+    """Inverse of ``encode_rank_batch``: returns ``(step, rank, micro_batches)``."""
+    tensors = load_safetensors(data)
+    header = json.loads(_safetensors_metadata(data)["prime_composer"])
+    if header["format"] != FORMAT_VERSION:
+        raise ValueError(
+            f"batch format {header['format']} is not {FORMAT_VERSION}: orchestrator and trainer "
+            "run different prime-composer versions"
+        )
+    micro_batches = []
+    for i, counts in enumerate(header["counts"]):
+        values: dict[str, Any] = {name: tensors[f"{i}/{name}"] for name in TENSOR_DTYPES}
+        micro_batches.append(MicroBatch(**values, **counts))
+    return header["step"], header["rank"], micro_batches
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    # The safetensors layout: 8-byte little-endian header length, then a JSON header whose
+    # "__metadata__" entry holds the string metadata given to save().
+    header_len = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + header_len])["__metadata__"]
