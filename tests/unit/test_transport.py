@@ -46,7 +46,7 @@ def make_step(seed: int, num_ranks: int = 2) -> list[list[MicroBatch]]:
 def assert_same(a: list[MicroBatch], b: list[MicroBatch]) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
-        assert x.counts() == y.counts()
+        assert x.step_meta() == y.step_meta()
         for name, tensor in x.tensors().items():
             other = y.tensors()[name]
             assert other.dtype == tensor.dtype and torch.equal(other, tensor), name
@@ -70,7 +70,7 @@ def test_bytes_round_trip() -> None:
 def test_micro_batch_rejects_wrong_dtype() -> None:
     mb = make_step(0)[0][0]
     with pytest.raises(ValueError, match="loss_mask"):
-        MicroBatch(**{**mb.tensors(), "loss_mask": mb.loss_mask.long()}, **mb.counts())
+        MicroBatch(**{**mb.tensors(), "loss_mask": mb.loss_mask.long()}, **mb.step_meta())
 
 
 def test_filesystem_round_trip_across_threads(tmp_path: Path) -> None:

@@ -73,6 +73,7 @@ SHARED_KEYS: tuple[str, ...] = (
     "seed",
     "max_async_level",
     "ckpt",
+    "transport",
 )
 """Top-level keys of ``RLConfig`` copied into every section that has a field of the same name."""
 

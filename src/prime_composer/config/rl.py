@@ -11,6 +11,7 @@ from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, Checkpoin
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.config.orchestrator import OrchestratorConfig
 from prime_composer.config.trainer import TrainerConfig
+from prime_composer.config.transport import TransportConfig
 
 
 class LaunchConfig(BaseConfig):
@@ -33,7 +34,7 @@ class RLConfig(BaseSettings):
     """Everything ``rl`` needs: shared keys at the top, one section per process.
 
     Shared keys (``model``, ``output_dir``, ``max_steps``, ``seed``, ``max_async_level``,
-    ``ckpt``) are set once here and copied into every section that uses them.
+    ``ckpt``, ``transport``) are set once here and copied into every section that uses them.
     """
 
     model_config = SettingsConfigDict(
@@ -62,6 +63,9 @@ class RLConfig(BaseSettings):
 
     ckpt: CheckpointConfig = CheckpointConfig()
     """Checkpointing and resume."""
+
+    transport: TransportConfig = TransportConfig()
+    """How batches travel from the orchestrator to the trainer."""
 
     trainer: TrainerConfig = TrainerConfig()
     """The trainer process."""

@@ -108,7 +108,7 @@ def _assign_to_ranks(
 
 
 def _micro_batch(
-    rows: list[list[_Piece]], seq_len: int, pad_token_id: int, counts: dict[str, int]
+    rows: list[list[_Piece]], seq_len: int, pad_token_id: int, meta: dict[str, int | float]
 ) -> MicroBatch:
     """Build the tensors of one micro-batch; an empty ``rows`` gives one all-padding row."""
     num_rows = max(1, len(rows))
@@ -140,7 +140,7 @@ def _micro_batch(
         advantages=advantages,
         inference_logprobs=logprobs,
         sample_ids=sample_ids,
-        **counts,
+        **meta,  # type: ignore[arg-type]
     )
 
 
@@ -150,11 +150,13 @@ def pack_step(
     micro_batch_size: int,
     num_ranks: int,
     pad_token_id: int,
+    temperature: float = 1.0,
 ) -> tuple[list[list[MicroBatch]], PackingStats]:
     """Pack a step's samples; returns ``(micro-batches of each rank, stats)``.
 
     Every rank gets the same number of micro-batches (at least one). The sample id of a token is
-    the index of its sample in ``samples``.
+    the index of its sample in ``samples``. ``temperature`` is the sampling temperature, passed
+    on so the trainer scales its logits the same way.
     """
     if seq_len < 1 or micro_batch_size < 1 or num_ranks < 1:
         raise ValueError(
@@ -177,7 +179,8 @@ def pack_step(
     micro_batches_per_rank = max(1, math.ceil(num_micro_batches / num_ranks))
     rank_rows = _assign_to_ranks(rows, num_ranks, micro_batches_per_rank * micro_batch_size)
 
-    counts = {
+    meta: dict[str, int | float] = {
+        "temperature": temperature,
         "num_loss_tokens": sum(sum(p.loss_mask) for p in pieces),
         "num_samples": len(pieces),
         "max_completion_len": max((p.completion_len for p in pieces), default=0),
@@ -190,7 +193,7 @@ def pack_step(
         num_padding = micro_batches_per_rank - len(chunks)
         stats.num_padding_micro_batches += num_padding
         chunks += [[] for _ in range(num_padding)]
-        rank_batches.append([_micro_batch(chunk, seq_len, pad_token_id, counts) for chunk in chunks])
+        rank_batches.append([_micro_batch(chunk, seq_len, pad_token_id, meta) for chunk in chunks])
 
     stats.num_rows = len(rows)
     if rows:

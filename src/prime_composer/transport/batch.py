@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 TENSOR_DTYPES: dict[str, torch.dtype] = {
     "input_ids": torch.long,
@@ -35,7 +35,8 @@ TENSOR_DTYPES: dict[str, torch.dtype] = {
 }
 """Name and dtype of every tensor field of ``MicroBatch``."""
 
-COUNT_FIELDS = ("num_loss_tokens", "num_samples", "max_completion_len")
+STEP_FIELDS = ("num_loss_tokens", "num_samples", "max_completion_len", "temperature")
+"""Step-level metadata every micro-batch carries (global over all ranks and micro-batches)."""
 
 
 @dataclass
@@ -62,6 +63,9 @@ class MicroBatch:
     """Samples in the whole step."""
     max_completion_len: int
     """Longest completion (tokens after the prompt, after truncation) in the whole step."""
+    temperature: float = 1.0
+    """Sampling temperature the completions were generated with; the trainer divides its logits
+    by it so its logprobs are comparable with ``inference_logprobs``."""
 
     def __post_init__(self) -> None:
         shape = self.input_ids.shape
@@ -82,16 +86,16 @@ class MicroBatch:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in TENSOR_DTYPES}
 
-    def counts(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in COUNT_FIELDS}
+    def step_meta(self) -> dict[str, int | float]:
+        return {name: getattr(self, name) for name in STEP_FIELDS}
 
     def to(self, device: torch.device | str) -> MicroBatch:
         moved: dict[str, Any] = {k: v.to(device) for k, v in self.tensors().items()}
         return replace(self, **moved)
 
 
-# Every dataclass field is either a tensor or a count; a new field must be added to one of them.
-assert {f.name for f in fields(MicroBatch)} == set(TENSOR_DTYPES) | set(COUNT_FIELDS)
+# Every dataclass field is either a tensor or step metadata; a new field must be added to one of them.
+assert {f.name for f in fields(MicroBatch)} == set(TENSOR_DTYPES) | set(STEP_FIELDS)
 
 
 def encode_rank_batch(step: int, rank: int, micro_batches: list[MicroBatch]) -> bytes:
@@ -105,7 +109,7 @@ def encode_rank_batch(step: int, rank: int, micro_batches: list[MicroBatch]) -> 
         "format": FORMAT_VERSION,
         "step": step,
         "rank": rank,
-        "counts": [mb.counts() for mb in micro_batches],
+        "meta": [mb.step_meta() for mb in micro_batches],
     }
     return save_safetensors(tensors, metadata={"prime_composer": json.dumps(header)})
 
@@ -120,9 +124,9 @@ def decode_rank_batch(data: bytes) -> tuple[int, int, list[MicroBatch]]:
             "run different prime-composer versions"
         )
     micro_batches = []
-    for i, counts in enumerate(header["counts"]):
+    for i, meta in enumerate(header["meta"]):
         values: dict[str, Any] = {name: tensors[f"{i}/{name}"] for name in TENSOR_DTYPES}
-        micro_batches.append(MicroBatch(**values, **counts))
+        micro_batches.append(MicroBatch(**values, **meta))
     return header["step"], header["rank"], micro_batches
 
 

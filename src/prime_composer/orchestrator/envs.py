@@ -1,0 +1,222 @@
+"""Load verifiers v1 environments by id, offline, for the rollout stage.
+
+An ``[[orchestrator.env]]`` id names a taskset package. It is found, in this order, as
+
+1. a folder ``<env_dir>/<id>/`` holding the package ``<module>/`` (the layout ``vf-init``
+   scaffolds: ``orchestrator/environments/arith/{pyproject.toml, arith/__init__.py}``); the
+   folder is put at the front of ``sys.path``, so nothing needs installing;
+2. an installed package (``my-env`` imports ``my_env``), e.g. one added to the project's
+   dependencies or installed with ``uv pip install -e``.
+
+Every agent seat of the environment is pinned to what runs offline: the in-process chat
+harness (``prime_composer.orchestrator.harness``) in the subprocess runtime. Nothing is pushed
+to a hub and nothing is installed at run time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pkgutil
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import verifiers.v1 as vf
+from pydantic import ValidationError
+from verifiers.v1.utils.loaders import env_config_type, taskset_config_type
+
+from prime_composer.config.env import EnvConfig, RolloutConfig
+from prime_composer.orchestrator import harness as chat_harness
+
+DEFAULT_ENV_DIRS: tuple[Path, ...] = (Path("orchestrator/environments"),)
+"""Where local environment folders are looked up (relative paths resolve against the cwd)."""
+
+Split = Literal["train", "eval"]
+
+
+def module_name(env_id: str) -> str:
+    """The import name verifiers derives from an id (``owner/my-env@1`` -> ``my_env``)."""
+    return env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+
+
+def local_environments(env_dirs: Sequence[Path] = DEFAULT_ENV_DIRS) -> dict[str, Path]:
+    """Local environments by module name -> the folder to put on ``sys.path``."""
+    found: dict[str, Path] = {}
+    for env_dir in env_dirs:
+        env_dir = Path(env_dir).resolve()
+        if not env_dir.is_dir():
+            continue
+        for folder in sorted(env_dir.iterdir()):
+            module = module_name(folder.name)
+            if (folder / module / "__init__.py").is_file():
+                found.setdefault(module, folder)
+    return found
+
+
+def list_environments(env_dirs: Sequence[Path] = DEFAULT_ENV_DIRS) -> list[str]:
+    """Ids that resolve without installing anything: local folders and verifiers' built-in tasksets
+    (most built-ins need containers or network, so they may still fail to run offline)."""
+    from verifiers.v1 import tasksets
+
+    builtin = [m.name for m in pkgutil.iter_modules(tasksets.__path__)]
+    return sorted(local_environments(env_dirs)) + [f"{name} (verifiers built-in)" for name in builtin]
+
+
+def prepare_imports(env_dirs: Sequence[Path] = DEFAULT_ENV_DIRS) -> None:
+    """Make local environments and the chat harness importable under the names verifiers uses."""
+    # verifiers imports a harness by a plain module name (a dotted id breaks its lookup).
+    sys.modules.setdefault(chat_harness.HARNESS_MODULE, chat_harness)
+    for folder in local_environments(env_dirs).values():
+        path = str(folder)
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+@dataclass
+class LoadedEnv:
+    """A loaded environment and the config entry it came from."""
+
+    index: int
+    """Position of the entry in ``orchestrator.env``."""
+    config: EnvConfig
+    env: vf.Env
+    eval_taskset: vf.Taskset | None
+    """The held-out split (``eval_args`` applied), or ``None`` when the entry has no eval."""
+
+    @property
+    def label(self) -> str:
+        return self.config.label
+
+    def tasks(self, split: Split = "train") -> list[vf.Task]:
+        """The tasks of a split, in the taskset's order (``idx`` set to the position)."""
+        if split == "train":
+            return list(self.env.taskset)
+        if self.eval_taskset is None:
+            raise ValueError(
+                f"orchestrator.env[{self.index}] (id={self.config.id!r}) has no eval split; "
+                "set eval_args (e.g. {split = 'eval'}) on it"
+            )
+        taskset = self.eval_taskset
+        if self.config.num_eval_examples is not None:
+            taskset = taskset.take(self.config.num_eval_examples)
+        return list(taskset)
+
+
+def task_messages(data: vf.TaskData) -> list[dict[str, Any]]:
+    """A task's prompt as chat-template messages (system prompt first), as the harness sends it."""
+    from verifiers.v1.dialects.chat import message_to_wire
+
+    messages: list[dict[str, Any]] = []
+    if data.system_prompt:
+        messages.append({"role": "system", "content": data.system_prompt})
+    if isinstance(data.prompt, str):
+        messages.append({"role": "user", "content": data.prompt})
+    else:
+        messages.extend(message_to_wire(m) for m in data.prompt or [])
+    return messages
+
+
+def sft_pairs(loaded: LoadedEnv, split: Split = "train") -> list[tuple[list[dict[str, Any]], str]]:
+    """(prompt messages, reference answer) for every task of a split, for SFT warm-up data.
+
+    Needs a task data field named ``answer`` (the verifiers convention for a reference).
+    """
+    pairs = []
+    for task in loaded.tasks(split):
+        answer = getattr(task.data, "answer", None)
+        if not isinstance(answer, str):
+            raise ValueError(
+                f"orchestrator.env[{loaded.index}] (id={loaded.config.id!r}): task data has no string "
+                "`answer` field, so it cannot provide SFT references; add one to its TaskData"
+            )
+        pairs.append((task_messages(task.data), answer))
+    return pairs
+
+
+def load_env(
+    entry: EnvConfig,
+    index: int,
+    rollout: RolloutConfig | None = None,
+    env_dirs: Sequence[Path] = DEFAULT_ENV_DIRS,
+) -> LoadedEnv:
+    """Load ``orchestrator.env[index]``; raises ``ValueError`` naming the entry when it can't."""
+    rollout = rollout or RolloutConfig()
+    where = f"orchestrator.env[{index}].id = {entry.id!r}"
+    prepare_imports(env_dirs)
+    _import_taskset_module(entry.id, where, env_dirs)
+    try:
+        env_config = _verifiers_env_config(entry.id, entry.args, rollout)
+        env = vf.load_environment(env_config)
+        eval_taskset = None
+        if entry.eval_args is not None:
+            eval_config = taskset_config_type(entry.id).model_validate(
+                {**entry.args, **entry.eval_args, "id": entry.id}
+            )
+            eval_taskset = vf.load_taskset(eval_config)
+    except ValidationError as e:
+        raise ValueError(f"{where}: invalid args or eval_args for this environment:\n{e}") from e
+    return LoadedEnv(index=index, config=entry, env=env, eval_taskset=eval_taskset)
+
+
+def load_envs(
+    entries: Sequence[EnvConfig],
+    rollout: RolloutConfig | None = None,
+    env_dirs: Sequence[Path] = DEFAULT_ENV_DIRS,
+) -> list[LoadedEnv]:
+    """Load every ``[[orchestrator.env]]`` entry; labels must be unique."""
+    if not entries:
+        raise ValueError("orchestrator.env is empty; add at least one [[orchestrator.env]] with an id")
+    labels = [e.label for e in entries]
+    if duplicates := sorted({label for label in labels if labels.count(label) > 1}):
+        raise ValueError(
+            f"orchestrator.env: names {duplicates} appear more than once; give each a distinct `name`"
+        )
+    return [load_env(entry, i, rollout, env_dirs) for i, entry in enumerate(entries)]
+
+
+def _import_taskset_module(env_id: str, where: str, env_dirs: Sequence[Path]) -> None:
+    """Import the taskset package, failing with the list of what exists when it is missing."""
+    module = module_name(env_id)
+    local = local_environments(env_dirs)
+    if module in local and importlib.util.find_spec(f"verifiers.v1.tasksets.{module}") is not None:
+        raise ValueError(
+            f"{where}: the local folder {local[module]} is shadowed by verifiers' built-in taskset "
+            f"{module!r}; rename the folder and its package"
+        )
+    if (
+        importlib.util.find_spec(f"verifiers.v1.tasksets.{module}") is None
+        and importlib.util.find_spec(module) is None
+    ):
+        dirs = ", ".join(str(Path(d).resolve()) for d in env_dirs)
+        raise ValueError(
+            f"{where}: no such environment (looked for a folder with a package {module!r} in {dirs}, "
+            f"then an installed package {module!r}). Available: {', '.join(list_environments(env_dirs))}. "
+            "Fix the id, or add the environment under orchestrator/environments/<id>/<module>/."
+        )
+    loaded = importlib.import_module(module) if module not in sys.modules else sys.modules[module]
+    if module in local:
+        origin = Path(getattr(loaded, "__file__", "") or "").resolve()
+        if local[module] not in origin.parents:
+            raise ValueError(
+                f"{where}: module {module!r} was already imported from {origin}, not from the local "
+                f"folder {local[module]}; rename one of them"
+            )
+
+
+def _verifiers_env_config(env_id: str, args: dict[str, Any], rollout: RolloutConfig) -> vf.EnvConfig:
+    """The verifiers EnvConfig for a taskset, every agent seat pinned to the offline harness."""
+    config_type = env_config_type(env_id)
+    seat = {
+        "harness": {"id": chat_harness.HARNESS_ID},
+        "runtime": {"type": "subprocess"},
+        "retries": {"max_retries": rollout.max_retries},
+        "timeout": {"rollout": rollout.timeout_s},
+    }
+    roles = [
+        name for name, field in config_type.model_fields.items() if isinstance(field.default, vf.AgentConfig)
+    ]
+    raw: dict[str, Any] = {"taskset": {**args, "id": env_id}, **{role: dict(seat) for role in roles}}
+    return config_type.model_validate(raw)

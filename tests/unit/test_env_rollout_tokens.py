@@ -1,0 +1,124 @@
+"""Turning server answers into Sample tokens, and per-request sampling fields (no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prime_composer.config.env import SamplingConfig
+from prime_composer.orchestrator.harness import TurnRecord, turn_record
+from prime_composer.orchestrator.rollout import (
+    TokenError,
+    assemble_tokens,
+    derive_seed,
+    request_sampling,
+)
+
+
+def _turn(prompt: list[int], completion: list[int], logprobs: list[float] | None) -> TurnRecord:
+    return TurnRecord(
+        prompt_token_ids=prompt,
+        completion_token_ids=completion,
+        completion_logprobs=logprobs,
+        finish_reason="stop",
+        content="",
+    )
+
+
+def test_turn_record_reads_vllm_return_token_ids_json() -> None:
+    completion = {
+        "prompt_token_ids": [5, 6, 7],
+        "choices": [
+            {
+                "message": {"role": "assistant", "content": "12"},
+                "finish_reason": "length",
+                "token_ids": [49, 50],
+                "logprobs": {
+                    "content": [
+                        {"token": "1", "logprob": -0.25, "bytes": [49], "top_logprobs": []},
+                        {"token": "2", "logprob": -1.5, "bytes": [50], "top_logprobs": []},
+                    ]
+                },
+            }
+        ],
+    }
+    assert turn_record(completion) == {
+        "prompt_token_ids": [5, 6, 7],
+        "completion_token_ids": [49, 50],
+        "completion_logprobs": [-0.25, -1.5],
+        "finish_reason": "length",
+        "content": "12",
+    }
+    entries = completion["choices"][0]["logprobs"]["content"]
+    for bad in (None, float("nan"), -9999.0):  # missing, non-finite, vLLM's "no evidence" value
+        entries[1]["logprob"] = bad
+        assert turn_record(completion)["completion_logprobs"] is None
+    del completion["choices"][0]["logprobs"]
+    assert turn_record(completion)["completion_logprobs"] is None
+
+
+def test_single_turn() -> None:
+    prompt, ids, logprobs, mask = assemble_tokens([_turn([1, 2, 3], [10, 11], [-0.1, -0.2])])
+    assert (prompt, ids, logprobs, mask) == ([1, 2, 3], [10, 11], [-0.1, -0.2], [1, 1])
+
+
+def test_multi_turn_splices_environment_tokens_with_mask_zero() -> None:
+    # Turn 1's prompt = turn 0's prompt + its completion + [20, 21] (e.g. "\n<user msg>").
+    turns = [
+        _turn([1, 2], [10, 11], [-0.1, -0.2]),
+        _turn([1, 2, 10, 11, 20, 21], [12], [-0.3]),
+    ]
+    prompt, ids, logprobs, mask = assemble_tokens(turns)
+    assert prompt == [1, 2]
+    assert ids == [10, 11, 20, 21, 12]
+    assert logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3]
+    assert mask == [1, 1, 0, 0, 1]
+
+
+def test_multi_turn_prefix_mismatch_is_an_error() -> None:
+    turns = [_turn([1, 2], [10, 11], [-0.1, -0.2]), _turn([1, 2, 10, 99, 20], [12], [-0.3])]
+    with pytest.raises(TokenError, match=r"turn 1.*do not extend"):
+        assemble_tokens(turns)
+
+
+@pytest.mark.parametrize(
+    ("turn", "message"),
+    [
+        (_turn([1], [10], None), "no logprobs"),
+        (_turn([1], [10, 11], [-0.1]), "2 completion token ids but 1 logprobs"),
+        (
+            TurnRecord(
+                prompt_token_ids=None,
+                completion_token_ids=[1],
+                completion_logprobs=[0.0],
+                finish_reason="stop",
+                content="",
+            ),
+            "no token ids",
+        ),
+    ],
+)
+def test_missing_evidence_is_an_error(turn: TurnRecord, message: str) -> None:
+    with pytest.raises(TokenError, match=message):
+        assemble_tokens([turn])
+
+
+def test_seed_is_sent_only_when_asked_and_differs_per_rollout() -> None:
+    fields = request_sampling(SamplingConfig(max_tokens=8), group_id=3, rollout_index=0).model_dump(
+        exclude_none=True
+    )
+    assert fields == {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8}
+    seeded = [
+        request_sampling(SamplingConfig(seed=7), group_id=g, rollout_index=i).model_dump()["seed"]
+        for g in range(3)
+        for i in range(4)
+    ]
+    assert len(set(seeded)) == len(seeded)
+    assert all(0 <= s < 2**31 for s in seeded)
+    assert derive_seed(7, 1, 2) == derive_seed(7, 1, 2) != derive_seed(8, 1, 2)
+
+
+def test_extra_body_and_optional_fields_pass_through() -> None:
+    sampling = SamplingConfig(top_k=5, stop=["\n"], extra_body={"min_tokens": 1})
+    fields = request_sampling(sampling, group_id=0, rollout_index=0).model_dump(exclude_none=True)
+    assert fields["top_k"] == 5 and fields["stop"] == ["\n"] and fields["min_tokens"] == 1
+    assert "min_p" not in fields and "seed" not in fields
