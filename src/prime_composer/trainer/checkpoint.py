@@ -1,0 +1,306 @@
+"""Trainer checkpoints that resume bit-exactly, written atomically, one part of a shared step dir.
+
+Layout (the orchestrator and DiLoCo write their own parts next to the trainer's)::
+
+    <root>/step_<N>/trainer/            this module's part
+        model_optim/                    model + optimizer, torch.distributed.checkpoint (DCP) format
+        scheduler.pt                    LR scheduler state (identical on every rank)
+        rng/rank_<R>.pt                 python / numpy / torch (/ cuda) RNG states of rank R
+        meta.json                       {"step", "world_size", "extra", ...}
+    <root>/step_<N>/trainer.STABLE      written last: "the trainer part of step N is complete"
+    <root>/step_<N>/orchestrator/ + orchestrator.STABLE, ...
+
+A step is resumable when every part a process needs has its ``<part>.STABLE`` marker
+(``latest_complete_step(root, parts=("trainer", "orchestrator"))``; the layout helpers live in
+``prime_composer.checkpoint_layout``, torch-free, so the orchestrator shares them). Markers are per part
+because the parts are written by different processes at different times; one step-wide marker
+would need them to agree on who writes it last.
+
+Atomicity: every rank writes into ``<root>/step_<N>/.trainer.tmp/``; after a barrier rank 0
+renames it to ``trainer/`` and only then writes ``trainer.STABLE``. A crash at any point leaves
+either no marker (never loaded) or a complete part. Deleting goes in the opposite order (marker
+first), so a half-deleted checkpoint is never mistaken for a complete one.
+
+Why DCP for model and optimizer: each rank writes only its own FSDP2 shards, in parallel, with no
+gather of the full model *and* its two AdamW moments into rank 0's memory (3x the model in fp32,
+too much for a 32B model), and a checkpoint written by N ranks loads on M ranks (DCP reshards by
+parameter name). It works unchanged on one process without a process group and on CPU with
+gloo, where the tests run it. The small pieces (scheduler, RNG, metadata) are plain files.
+
+Exact resume: parameters and AdamW moments are stored bit for bit, the scheduler's step count
+restores the learning rate, and each rank's RNG states are restored, so N steps straight equal
+k steps + save + load into fresh objects + N - k steps (``tests/unit/test_checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from prime_composer.checkpoint_layout import (
+    all_steps,
+    complete_steps,
+    is_complete,
+    latest_complete_step,
+    marker_path,
+    step_dir,
+)
+from prime_composer.io import atomic_write_text
+from prime_composer.trainer.model import World
+
+logger = logging.getLogger(__name__)
+
+_FORMAT_VERSION = 1
+MODEL_OPTIM_DIR = "model_optim"
+SCHEDULER_FILE = "scheduler.pt"
+META_FILE = "meta.json"
+RNG_DIR = "rng"
+
+__all__ = [
+    "CheckpointManager",
+    "all_steps",
+    "complete_steps",
+    "is_complete",
+    "latest_complete_step",
+    "marker_path",
+    "step_dir",
+]
+
+
+class CheckpointManager:
+    """Saves and loads one part (default ``trainer``) of the step checkpoints under ``root``.
+
+    ``save`` and ``load`` are collective under FSDP: every rank calls them with the same step.
+    ``root`` must be a filesystem every rank sees (each rank writes its own shards).
+    """
+
+    def __init__(self, root: Path, keep: int, world: World, part: str = "trainer") -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 (how many complete checkpoints to keep), got {keep}")
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", part):
+            raise ValueError(f"checkpoint part name {part!r} must be letters, digits, '_' or '-'")
+        self.root = Path(root)
+        self.keep = keep
+        self.world = world
+        self.part = part
+
+    # ------------------------------------------------------------------------------------- save
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        extra: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write this part of ``step`` and mark it complete; then drop all but the newest ``keep``.
+
+        ``extra`` is saved as JSON (e.g. data position, counters) and returned by ``load``; it must
+        be JSON-serializable. Returns the part's directory. Re-saving an existing step replaces it.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        extra = dict(extra or {})
+        try:
+            json.dumps(extra)
+        except TypeError as e:
+            raise ValueError(
+                f"checkpoint extra must be JSON-serializable (numbers, strings, lists, dicts): {e}"
+            ) from e
+
+        started = time.perf_counter()
+        final = step_dir(self.root, step) / self.part
+        tmp = step_dir(self.root, step) / f".{self.part}.tmp"
+        if self.world.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
+            (tmp / RNG_DIR).mkdir(parents=True)
+        self.world.barrier()
+
+        with _quiet_single_process():
+            dcp.save(
+                _dcp_state(model, optimizer), checkpoint_id=str(tmp / MODEL_OPTIM_DIR), no_dist=_no_dist()
+            )
+        _save_file(_rng_state(), tmp / RNG_DIR / f"rank_{self.world.rank}.pt")
+        if self.world.is_main:
+            _save_file(scheduler.state_dict(), tmp / SCHEDULER_FILE)
+            meta = {
+                "format": _FORMAT_VERSION,
+                "step": step,
+                "part": self.part,
+                "world_size": self.world.world_size,
+                "torch": torch.__version__,
+                "time": time.time(),
+                "extra": extra,
+            }
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        self.world.barrier()  # every rank's files are written (DCP fsyncs its own)
+
+        if self.world.is_main:
+            marker = marker_path(self.root, step, self.part)
+            if final.exists():
+                marker.unlink(missing_ok=True)  # no longer complete before it changes
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            atomic_write_text(marker, json.dumps({"step": step, "part": self.part}) + "\n")
+            self._prune(keep_also=step)
+            logger.info(
+                "saved %s checkpoint of step %d in %.1fs: %s",
+                self.part,
+                step,
+                time.perf_counter() - started,
+                final,
+            )
+        self.world.barrier()
+        return final
+
+    def _prune(self, keep_also: int) -> None:
+        """Delete this part of every step except the newest ``keep`` complete ones.
+
+        Incomplete leftovers (crashed saves) go too. Other parts (orchestrator, ...) are never
+        touched; a step directory is removed only once it is empty.
+        """
+        kept = set(complete_steps(self.root, (self.part,))[-self.keep :]) | {keep_also}
+        for step in all_steps(self.root):
+            if step in kept:
+                continue
+            directory = step_dir(self.root, step)
+            marker_path(self.root, step, self.part).unlink(missing_ok=True)
+            shutil.rmtree(directory / self.part, ignore_errors=True)
+            shutil.rmtree(directory / f".{self.part}.tmp", ignore_errors=True)
+            with contextlib.suppress(OSError):  # only succeeds when no other part lives there
+                directory.rmdir()
+
+    # ------------------------------------------------------------------------------------- load
+
+    def resolve_step(self, step: int | None) -> int:
+        """``step`` if its part is complete, or the newest complete step for ``None``.
+
+        Raises ``ValueError`` naming the directory when there is nothing to load.
+        """
+        complete = complete_steps(self.root, (self.part,))
+        if step is None:
+            if not complete:
+                raise ValueError(
+                    f"no complete {self.part} checkpoint under {self.root} to resume from; run without "
+                    "resume, or point the output directory at a run that saved checkpoints"
+                )
+            return complete[-1]
+        if step not in complete:
+            found = ", ".join(map(str, complete)) or "none"
+            raise ValueError(
+                f"no complete {self.part} checkpoint for step {step} under {self.root} "
+                f"(complete steps: {found}); an incomplete checkpoint is never loaded"
+            )
+        return step
+
+    def load(
+        self,
+        step: int | None,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+    ) -> dict[str, Any]:
+        """Restore model, optimizer, scheduler and this rank's RNG from ``step`` (``None``: the
+        newest complete one) and return the ``extra`` dict given to ``save``.
+
+        ``model`` and ``optimizer`` must be built (and sharded) the same way as when saving; the
+        number of ranks may differ (DCP reshards). Use ``resolve_step`` to learn the step first.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        step = self.resolve_step(step)
+        directory = step_dir(self.root, step) / self.part
+        state = _dcp_state(model, optimizer)
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=str(directory / MODEL_OPTIM_DIR), no_dist=_no_dist())
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, weights_only=True))
+
+        meta = json.loads((directory / META_FILE).read_text())
+        rng_file = directory / RNG_DIR / f"rank_{self.world.rank}.pt"
+        if rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, weights_only=True))
+        else:
+            logger.warning(
+                "checkpoint of step %d was written by %d ranks and has no RNG state for rank %d: "
+                "its random streams start fresh, so the run is not bit-exact with an uninterrupted one",
+                step,
+                meta["world_size"],
+                self.world.rank,
+            )
+        logger.info("loaded %s checkpoint of step %d from %s", self.part, step, directory)
+        return meta["extra"]
+
+
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Model and optimizer state keyed by parameter name (plain tensors, or DTensor shards)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {
+        "model": get_model_state_dict(model),
+        # Names, not positions, key the optimizer state, so it survives resharding.
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+    }
+
+
+def _no_dist() -> bool:
+    """A single process without a process group: DCP then skips its collectives."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every single-process save/load that it assumes one process; we mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
+        yield
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rng_state() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        # numpy's state holds an ndarray, which weights_only loading refuses; store it as a tensor.
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()  # this rank's current device
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
