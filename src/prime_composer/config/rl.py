@@ -29,6 +29,39 @@ class LaunchConfig(BaseConfig):
     refresh_s: float = Field(default=1.0, gt=0)
     """Seconds between progress display refreshes."""
 
+    overwrite: bool = False
+    """Start fresh even when ``output_dir`` holds checkpoints of an earlier run (they are deleted,
+    with its rollouts, broadcasts, metrics and logs). Without it such a run must be resumed
+    (``--resume``) or given another ``output_dir``."""
+
+
+class WarmupConfig(BaseConfig):
+    """An optional supervised warm-up before RL (a tiny random model needs one to get any reward).
+
+    The launcher writes SFT data from the orchestrator's environments (reference answers of the
+    train split) unless ``data`` is given, runs ``sft`` on it, and starts RL from the result
+    (``<output_dir>/sft/final``).
+    """
+
+    enabled: bool = False
+    """Run the warm-up before RL."""
+
+    data: Path | None = None
+    """JSONL of chats (``{"messages": [...]}`` per line) to train on; ``None`` generates it from the
+    environments' train split."""
+
+    num_examples: int = Field(default=1000, ge=1)
+    """Conversations to generate when ``data`` is not given."""
+
+    max_steps: int = Field(default=30, ge=1)
+    """SFT optimizer steps."""
+
+    batch_size: int = Field(default=16, ge=1)
+    """Conversations per SFT step."""
+
+    lr: float = Field(default=1e-3, gt=0)
+    """SFT learning rate (constant)."""
+
 
 class RLConfig(BaseSettings):
     """Everything ``rl`` needs: shared keys at the top, one section per process.
@@ -75,6 +108,9 @@ class RLConfig(BaseSettings):
 
     inference: InferenceConfig = InferenceConfig()
     """The inference server process."""
+
+    warmup: WarmupConfig = WarmupConfig()
+    """Optional SFT warm-up stage before RL."""
 
     launch: LaunchConfig = LaunchConfig()
     """The launcher itself."""

@@ -17,6 +17,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from prime_composer.config.resolve import ENV_PREFIX, RL_ALIASES, finalize_rl_config
 from prime_composer.config.rl import RLConfig
@@ -24,6 +25,8 @@ from prime_composer.io import atomic_write_text
 from prime_composer.launch.launcher import Launcher
 from prime_composer.launch.process import ProcessSpec
 from prime_composer.launch.progress import Progress
+from prime_composer.launch.rundir import prepare_fresh, prepare_resume
+from prime_composer.report import summary, write_report_png
 
 PROCESS_MODULES = {
     "inference": "prime_composer.inference.main",
@@ -86,18 +89,97 @@ def resume_command(argv: Sequence[str]) -> str:
     return "uv run rl " + shlex.join(args)
 
 
+def warmup_specs(config: RLConfig, config_paths: dict[str, Path]) -> tuple[list[ProcessSpec], Path]:
+    """The SFT warm-up stage: write data from the environments (unless given), then ``sft``.
+
+    Returns the stage's processes and the directory of the fine-tuned model.
+    """
+    from prime_composer.config.sft import SFTConfig
+
+    warmup = config.warmup
+    python = sys.executable
+    specs = []
+    data = warmup.data
+    if data is None:
+        data = config.output_dir / "sft" / "data.jsonl"
+        specs.append(
+            ProcessSpec(
+                name="sft-data",
+                argv=[
+                    python,
+                    "-m",
+                    "prime_composer.orchestrator.sft_export",
+                    "--config",
+                    str(config_paths["orchestrator"]),
+                    "--out",
+                    str(data),
+                    "--num-examples",
+                    str(warmup.num_examples),
+                ],
+                kind="job",
+            )
+        )
+    sft = SFTConfig(
+        model=config.model,
+        output_dir=config.output_dir,
+        data=data,
+        max_steps=warmup.max_steps,
+        batch_size=warmup.batch_size,
+        micro_batch_size=warmup.batch_size,
+        seq_len=config.orchestrator.seq_len,
+        seed=config.seed,
+        num_threads=config.trainer.num_threads,
+        optim=config.trainer.optim.model_copy(
+            update={"lr": warmup.lr, "warmup_steps": 0, "schedule": "constant"}
+        ),
+    )
+    sft_path = config.output_dir / "configs" / "sft.json"
+    atomic_write_text(sft_path, json.dumps(sft.model_dump(mode="json"), indent=2) + "\n")
+    specs.append(
+        ProcessSpec(
+            name="sft", argv=[python, "-m", "prime_composer.trainer.sft", "@", str(sft_path)], kind="job"
+        )
+    )
+    return specs, config.output_dir / "sft" / "final"
+
+
+def _use_model(config: RLConfig, path: Path) -> None:
+    """Point every process at ``path`` (the warm-up's result)."""
+    config.model.name = str(path)
+    for section in (config.trainer, config.orchestrator, config.inference):
+        section.model.name = str(path)
+
+
 def launch(config: RLConfig, argv: Sequence[str]) -> int:
+    output_dir = config.output_dir
+    resuming = config.ckpt.resume or config.ckpt.resume_step is not None
+    if resuming:
+        step = prepare_resume(output_dir, config.ckpt.resume_step)
+        print(f"rl: resuming {output_dir} from step {step}", flush=True)
+    else:
+        prepare_fresh(output_dir, config.launch.overwrite, extra=("sft",))
+    print(f"rl: output in {output_dir} (logs/, metrics/, configs/)", flush=True)
     paths = write_resolved_configs(config)
-    specs = build_specs(config, paths)
-    progress = Progress(config.output_dir / "metrics", config.max_steps, live=config.launch.progress)
-    print(f"rl: output in {config.output_dir} (logs/, metrics/, configs/)", flush=True)
+    launch_kwargs: dict[str, Any] = {
+        "health_timeout_s": config.launch.health_timeout_s,
+        "stop_timeout_s": config.launch.stop_timeout_s,
+        "poll_s": min(0.2, config.launch.refresh_s),
+    }
+
+    if config.warmup.enabled:
+        specs, final = warmup_specs(config, paths)
+        if not (resuming and (final / "config.json").exists()):
+            print(f"rl: SFT warm-up ({config.warmup.max_steps} steps), log in logs/sft.log", flush=True)
+            result = Launcher(specs, output_dir / "logs", **launch_kwargs).run()
+            if result.exit_code != 0:
+                print(f"rl: warm-up failed ({result.reason})", flush=True)
+                return result.exit_code
+        _use_model(config, final)
+        paths = write_resolved_configs(config)
+
+    progress = Progress(output_dir / "metrics", config.max_steps, live=config.launch.progress)
     launcher = Launcher(
-        specs,
-        config.output_dir / "logs",
-        health_timeout_s=config.launch.health_timeout_s,
-        stop_timeout_s=config.launch.stop_timeout_s,
-        poll_s=min(0.2, config.launch.refresh_s),
-        on_tick=progress.tick,
+        build_specs(config, paths), output_dir / "logs", on_tick=progress.tick, **launch_kwargs
     )
     try:
         result = launcher.run()
@@ -105,9 +187,11 @@ def launch(config: RLConfig, argv: Sequence[str]) -> int:
         progress.close()
     if result.exit_code != 0:
         print(f"rl: run stopped ({result.reason}). To continue: {resume_command(argv)}", flush=True)
-    else:
-        print(f"rl: done: {config.max_steps} steps in {config.output_dir}", flush=True)
-    return result.exit_code
+        return result.exit_code
+    report = write_report_png(output_dir)
+    print(summary(output_dir), flush=True)
+    print(f"rl: done: {config.max_steps} steps; report: {report}", flush=True)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> None:

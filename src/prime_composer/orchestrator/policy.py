@@ -1,0 +1,85 @@
+"""Keeping the inference server on fresh weights, within the asynchrony bound.
+
+The trainer publishes weights after every step as ``<output_dir>/broadcasts/step_<N>/`` (N =
+optimizer steps taken; the base model is step 0). Before producing batch ``s`` the orchestrator
+needs the server to run weights of step ``>= s - max_async_level``: it waits for the trainer to
+publish them, then asks the server to load the newest published version (``/update_weights``).
+So with ``max_async_level = 0`` every batch is sampled on-policy, and with ``k`` the
+orchestrator samples up to ``k`` steps ahead of the trainer while the trainer trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from pathlib import Path
+
+import httpx
+
+from prime_composer.transport.weights import latest_stable
+
+logger = logging.getLogger(__name__)
+
+
+class WeightSyncError(RuntimeError):
+    """The weights a step needs never appeared, or the server refused to load them."""
+
+
+class PolicySync:
+    def __init__(
+        self,
+        broadcast_root: Path,
+        server_url: str,
+        *,
+        secret_env: str | None = None,
+        poll_s: float = 0.1,
+        timeout_s: float = 3600.0,
+        loaded_step: int = 0,
+    ) -> None:
+        self.broadcast_root = Path(broadcast_root)
+        self.server_url = server_url.rstrip("/").removesuffix("/v1")
+        self.poll_s = poll_s
+        self.timeout_s = timeout_s
+        self.loaded_step = loaded_step
+        """Weights version the server runs (0 = the base model it started with)."""
+        secret = os.environ.get(secret_env) if secret_env else None
+        if secret_env and not secret:
+            raise WeightSyncError(
+                f"orchestrator.inference_secret_env = {secret_env!r} but that environment variable is "
+                f"empty; export it with the inference server's secret"
+            )
+        self._headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+
+    async def ensure(self, min_step: int) -> int:
+        """Return once the server runs weights of step ``>= min_step``; loads newer ones on the way.
+
+        Returns the loaded step (the ``policy_step`` of what is sampled next).
+        """
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            latest = latest_stable(self.broadcast_root)
+            if latest is not None and latest[0] > self.loaded_step:
+                await self._load(*latest)
+            if self.loaded_step >= min_step:
+                return self.loaded_step
+            if time.monotonic() > deadline:
+                raise WeightSyncError(
+                    f"waited {self.timeout_s:.0f} s for weights of step {min_step} under "
+                    f"{self.broadcast_root} (newest: {self.loaded_step}); is the trainer running? "
+                    f"(orchestrator.weights_timeout_s)"
+                )
+            await asyncio.sleep(self.poll_s)
+
+    async def _load(self, step: int, path: Path) -> None:
+        async with httpx.AsyncClient(timeout=600) as client:
+            response = await client.post(
+                f"{self.server_url}/update_weights", json={"path": str(path.resolve())}, headers=self._headers
+            )
+        if response.status_code != 200:
+            raise WeightSyncError(
+                f"inference server refused weights {path} (HTTP {response.status_code}): {response.text[:500]}"
+            )
+        logger.info("inference server now runs weights of step %d", step)
+        self.loaded_step = step

@@ -1,0 +1,59 @@
+"""Write SFT warm-up data from the orchestrator's environments: one chat per line (JSONL).
+
+    python -m prime_composer.orchestrator.sft_export --config <orchestrator.json> --out data.jsonl
+
+Each line is ``{"messages": [...prompt..., {"role": "assistant", "content": <reference>}]}`` for
+a task of the train split (never the held-out split), cycling over the tasks in a seeded order
+until ``--num-examples`` lines are written. The ``rl`` launcher runs it before the ``sft`` stage
+when ``[warmup]`` is on and no data file is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from prime_composer.config.cli import load_file
+from prime_composer.config.orchestrator import OrchestratorConfig
+from prime_composer.io import atomic_write_text
+from prime_composer.logs import setup_logging
+
+
+def export_sft_data(config: OrchestratorConfig, out: Path, num_examples: int) -> int:
+    """Write ``num_examples`` conversations to ``out``; returns how many distinct tasks were used."""
+    from prime_composer.orchestrator.envs import load_envs, sft_pairs
+
+    envs = load_envs(config.env, config.rollout)
+    pairs = [pair for loaded in envs for pair in sft_pairs(loaded, "train")]
+    if not pairs:
+        raise ValueError("orchestrator.env: the train split has no tasks to build SFT data from")
+    rng = random.Random(config.seed)
+    lines: list[str] = []
+    while len(lines) < num_examples:
+        order = list(range(len(pairs)))
+        rng.shuffle(order)
+        for i in order[: num_examples - len(lines)]:
+            messages, answer = pairs[i]
+            lines.append(json.dumps({"messages": [*messages, {"role": "assistant", "content": answer}]}))
+    atomic_write_text(out, "\n".join(lines) + "\n")
+    return len(pairs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--config", type=Path, required=True, help="the orchestrator's resolved config (JSON)"
+    )
+    parser.add_argument("--out", type=Path, required=True, help="JSONL file to write")
+    parser.add_argument("--num-examples", type=int, default=1000)
+    args = parser.parse_args()
+    logger = setup_logging("sft-data")
+    config = OrchestratorConfig.model_validate(load_file(args.config, origin="--config").values)
+    num_tasks = export_sft_data(config, args.out, args.num_examples)
+    logger.info("wrote %d conversations from %d tasks to %s", args.num_examples, num_tasks, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The orchestrator's resumable state, checkpointed next to the trainer's.
+
+Everything that decides which batch comes next is a counter, so the state is a few integers
+(no RNG objects to pickle): the step about to be produced, how many groups were drawn in total
+(each group's number seeds its sampling), and how many tasks each environment has handed out
+(the task order is a seeded permutation per epoch).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from prime_composer.checkpoint_layout import marker_path, step_dir
+from prime_composer.io import atomic_write_text
+
+PART = "orchestrator"
+
+
+@dataclass
+class OrchestratorState:
+    step: int = 0
+    """The next step to produce a batch for."""
+    groups_drawn: int = 0
+    """Groups drawn so far over the whole run (the next group's id)."""
+    env_draws: list[int] = field(default_factory=list)
+    """Tasks drawn so far from each environment."""
+
+    def save(self, ckpt_root: Path) -> None:
+        """Write ``step_<N>/orchestrator/state.json``, then the part's ``STABLE`` marker."""
+        path = step_dir(ckpt_root, self.step) / PART / "state.json"
+        atomic_write_text(path, json.dumps(asdict(self), indent=2) + "\n")
+        atomic_write_text(marker_path(ckpt_root, self.step, PART), "")
+
+    @classmethod
+    def load(cls, ckpt_root: Path, step: int) -> OrchestratorState:
+        data = json.loads((step_dir(ckpt_root, step) / PART / "state.json").read_text())
+        return cls(**data)
+
+
+def task_index(seed: int, env_index: int, draw: int, num_tasks: int) -> int:
+    """Task handed out by environment ``env_index`` at its ``draw``-th draw: one seeded
+    permutation of all tasks per epoch, so every task is seen once per epoch."""
+    epoch, position = divmod(draw, num_tasks)
+    return _epoch_order(seed, env_index, epoch, num_tasks)[position]
+
+
+@functools.lru_cache(maxsize=8)
+def _epoch_order(seed: int, env_index: int, epoch: int, num_tasks: int) -> tuple[int, ...]:
+    order = list(range(num_tasks))
+    random.Random(f"{seed}/{env_index}/{epoch}").shuffle(order)
+    return tuple(order)
+
+
+def choose_env(seed: int, group_id: int, ratios: list[float]) -> int:
+    """Environment of group ``group_id``, drawn with the configured ratios (seeded by the id)."""
+    if len(ratios) == 1:
+        return 0
+    return random.Random(f"{seed}/env/{group_id}").choices(range(len(ratios)), weights=ratios)[0]

@@ -1,0 +1,1 @@
+"""End-to-end tests: the real launcher and processes on a tiny model."""

@@ -1,0 +1,57 @@
+"""Helpers for running the real ``rl`` launcher in tests."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rl_command(output_dir: Path, *overrides: str) -> list[str]:
+    """``rl @ configs/quickstart.toml`` shrunk to a few cheap steps, in ``output_dir``."""
+    return [
+        sys.executable,
+        "-m",
+        "prime_composer.launch.rl",
+        "@",
+        str(REPO / "configs" / "quickstart.toml"),
+        "--output-dir",
+        str(output_dir),
+        "--inference.port",
+        str(free_port()),
+        "--no-launch.progress",
+        "--launch.health-timeout-s",
+        "600",
+        "--orchestrator.batch-size",
+        "16",
+        "--orchestrator.group-size",
+        "4",
+        "--orchestrator.max-refill-rounds",
+        "1",
+        "--orchestrator.eval.interval",
+        "2",
+        "--warmup.num-examples",
+        "320",
+        *overrides,
+    ]
+
+
+def run_rl(output_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        rl_command(output_dir, *overrides), cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def metric_steps(output_dir: Path, process: str) -> list[int]:
+    path = output_dir / "metrics" / f"{process}.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]

