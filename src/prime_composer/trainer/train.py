@@ -33,7 +33,7 @@ from prime_composer.metrics import MetricsLogger
 from prime_composer.trainer.checkpoint import CheckpointManager
 from prime_composer.trainer.forward import packed_token_logprobs
 from prime_composer.trainer.losses.aggregate import accumulate_metrics, finalize_metrics, rl_normalizer
-from prime_composer.trainer.losses.logprobs import token_entropy
+from prime_composer.trainer.losses.logprobs import entropy_from_logits
 from prime_composer.trainer.losses.rl import rl_loss
 from prime_composer.trainer.model import World, full_state_dict, init_distributed, load_model, shard_model
 from prime_composer.trainer.optim import build_optimizer, clip_grad_norm
@@ -77,8 +77,10 @@ def train_step(
         mb = mb.to(device)
         logprobs, logits = packed_token_logprobs(model, mb, mb.temperature, return_logits=True)
         assert logits is not None
-        with torch.no_grad():
-            entropy = token_entropy(logits.detach())
+        # Entropy is only logged: compute it on the loss tokens alone, not on every prompt and
+        # padding position (logits[:, t] is the distribution token t was sampled from).
+        entropy = torch.zeros_like(logprobs, dtype=torch.float32)
+        entropy[mb.loss_mask] = entropy_from_logits(logits.detach()[mb.loss_mask]).float()
         loss, metrics = rl_loss(
             logprobs,
             mb.inference_logprobs,
