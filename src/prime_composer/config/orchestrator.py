@@ -9,6 +9,7 @@ from pydantic import Field
 from prime_composer.config.advantage import AdvantageConfig
 from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, CheckpointConfig, ModelConfig
 from prime_composer.config.env import EnvConfig, RolloutConfig, SamplingConfig
+from prime_composer.config.sdpo import HintConfig
 from prime_composer.config.transport import TransportConfig
 
 
@@ -70,6 +71,10 @@ class OrchestratorConfig(BaseConfig):
 
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation."""
+
+    sdpo: HintConfig = HintConfig()
+    """SDPO hints: which failed rollouts get a hinted teacher context (needs
+    ``trainer.loss.sdpo.weight > 0``)."""
 
     batch_size: int = Field(default=32, ge=1)
     """Samples (rollouts) per training step; a multiple of ``group_size``."""

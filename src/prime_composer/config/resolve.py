@@ -28,6 +28,7 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
             f"{config.transport.keep_last_steps} must exceed max_async_level = {config.max_async_level}, "
             f"or the trainer could miss a step the orchestrator already deleted"
         )
+    _check_sdpo(config, origins)
     inference = config.inference
     expected = f"http://{_client_host(inference.host)}:{inference.port}/v1"
     if "base_url" in config.orchestrator.model_fields_set and config.orchestrator.base_url != expected:
@@ -39,6 +40,25 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
         )
     config.orchestrator.base_url = expected
     return config
+
+
+def _check_sdpo(config: RLConfig, origins: dict[str, str]) -> None:
+    """SDPO needs both halves: hints from the orchestrator and a weight in the trainer. One without
+    the other would silently do nothing (or waste hint building), so it is an error."""
+    hints_on = config.orchestrator.sdpo.enabled
+    weight = config.trainer.loss.sdpo.weight
+    if hints_on and weight == 0:
+        raise ConfigError(
+            f"{origin_of('orchestrator.sdpo.enabled', origins)}: orchestrator.sdpo.enabled = true but "
+            "trainer.loss.sdpo.weight = 0, so the hints would never be trained on: set "
+            "trainer.loss.sdpo.weight > 0 (e.g. 0.1) or orchestrator.sdpo.enabled = false"
+        )
+    if weight > 0 and not hints_on:
+        raise ConfigError(
+            f"{origin_of('trainer.loss.sdpo.weight', origins)}: trainer.loss.sdpo.weight = {weight} but "
+            "orchestrator.sdpo.enabled = false, so no sample would ever carry a hint: set "
+            "orchestrator.sdpo.enabled = true or trainer.loss.sdpo.weight = 0"
+        )
 
 
 def _copy_into(config: RLConfig, source: str, target: str, origins: dict[str, str]) -> None:

@@ -9,8 +9,10 @@ For step ``s``:
    failed rollouts are counted and left out; advantages per group; with dynamic sampling, groups
    whose rewards are all equal are replaced by fresh groups (at most ``max_refill_rounds``
    rounds); samples from weights older than ``max_off_policy_steps`` are dropped;
-4. **pack and send** micro-batches for every trainer rank;
-5. **log** ``metrics/orchestrator.jsonl`` and checkpoint the data position.
+4. **SDPO hints** (``orchestrator.sdpo.enabled``): failed rollouts get a hinted teacher context
+   (``hints.py``), packed next to their students;
+5. **pack and send** micro-batches for every trainer rank;
+6. **log** ``metrics/orchestrator.jsonl`` and checkpoint the data position.
 
 It never imports trainer or model code: it talks to the server over HTTP and to the trainer
 through ``transport``.
@@ -32,6 +34,7 @@ from prime_composer.config.orchestrator import OrchestratorConfig
 from prime_composer.metrics import MetricsLogger
 from prime_composer.orchestrator.advantages import compute_advantages, filter_zero_variance
 from prime_composer.orchestrator.envs import LoadedEnv
+from prime_composer.orchestrator.hints import HintBuilder
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.policy import PolicySync
 from prime_composer.orchestrator.rollout import RolloutRunner
@@ -56,7 +59,14 @@ class StepRollouts:
 
 
 class Orchestrator:
-    def __init__(self, config: OrchestratorConfig, envs: list[LoadedEnv], pad_token_id: int) -> None:
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        envs: list[LoadedEnv],
+        pad_token_id: int,
+        hints: HintBuilder | None = None,
+    ) -> None:
+        """``hints`` builds SDPO targets each step (``orchestrator.sdpo.enabled``); None = off."""
         if config.batch_size % config.group_size:
             raise ValueError(
                 f"orchestrator.batch_size ({config.batch_size}) must be a multiple of "
@@ -65,6 +75,9 @@ class Orchestrator:
         self.config = config
         self.envs = envs
         self.pad_token_id = pad_token_id
+        if config.sdpo.enabled and hints is None:
+            raise ValueError("orchestrator.sdpo.enabled needs a HintBuilder (orchestrator/main.py makes one)")
+        self.hints = hints
         self.num_groups = config.batch_size // config.group_size
         self.ckpt_root = config.output_dir / "checkpoints"
         self.state = OrchestratorState(env_draws=[0] * len(envs))
@@ -116,6 +129,11 @@ class Orchestrator:
                     t0 = time.monotonic()
                     rollouts = await self.collect(runner, step, policy_step)
                     metrics["time/rollout_s"] = time.monotonic() - t0
+                    if self.hints is not None:
+                        t0 = time.monotonic()
+                        hint_stats = await self.hints.apply(rollouts.kept)
+                        metrics.update(hint_stats.metrics(config.sdpo.sources))
+                        metrics["time/hints_s"] = time.monotonic() - t0
                     rank_batches, stats = pack_step(
                         rollouts.kept,
                         config.seq_len,
@@ -134,6 +152,10 @@ class Orchestrator:
                             "pack/dropped": len(stats.dropped_sample_ids),
                         }
                     )
+                    if self.hints is not None:
+                        metrics["sdpo/packed_samples"] = stats.num_sdpo_samples
+                        metrics["sdpo/teacher_rows"] = stats.num_teacher_rows
+                        metrics["sdpo/pack_dropped"] = len(stats.sdpo_dropped_sample_ids)
                     self.metrics.log(step, metrics)
                     logger.info(
                         "step %d: reward %.3f, %d samples, policy lag %d",

@@ -32,7 +32,20 @@ def run(config: OrchestratorConfig) -> int:
         envs = load_envs(config.env, config.rollout)
     except ValueError as e:  # names the offending orchestrator.env entry
         raise ConfigError(str(e)) from None
-    asyncio.run(Orchestrator(config, envs, pad_token_id=pad_id).run())
+    hints = None
+    if config.sdpo.enabled:
+        from prime_composer.orchestrator.hints import HintBuilder
+
+        try:
+            hints = HintBuilder(
+                config.sdpo,
+                tokenizer,
+                config.seq_len,
+                chat_template_kwargs=config.sampling.extra_body.get("chat_template_kwargs"),
+            )
+        except ValueError as e:  # names the orchestrator.sdpo key to fix
+            raise ConfigError(str(e)) from None
+    asyncio.run(Orchestrator(config, envs, pad_token_id=pad_id, hints=hints).run())
     return 0
 
 

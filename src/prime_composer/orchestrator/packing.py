@@ -15,6 +15,13 @@
 Rows are padded to ``seq_len`` so shapes never change from step to step. The step-level counts
 in every ``MicroBatch`` are global, so splitting the same samples as 1 rank x 4 micro-batches or
 2 ranks x 2 gives the same normalised gradient.
+
+SDPO: a sample with a hint (``Sample.sdpo_span``, set by ``orchestrator.hints``) marks its target
+tokens in ``sdpo_mask`` (clipped to what the student row kept), and its teacher sequence
+(``teacher_prefix_ids`` + the same target tokens) goes into the teacher rows of the *same*
+micro-batch. Teacher sequences are packed next-fit in the order their students appear in the
+micro-batch (row by row, left to right), which keeps the k-th target token of the student rows and
+of the teacher rows the same token. Teacher rows are as many as needed (``Rt``, 0 without hints).
 """
 
 from __future__ import annotations
@@ -42,6 +49,13 @@ class PackingStats:
     """Samples cut from the completion end to fit ``seq_len``."""
     dropped_sample_ids: list[int] = field(default_factory=list)
     """Samples left out: the prompt alone fills ``seq_len``, or no policy token remains."""
+    num_sdpo_samples: int = 0
+    """Packed samples with an SDPO target."""
+    num_teacher_rows: int = 0
+    """SDPO teacher rows over all micro-batches."""
+    sdpo_dropped_sample_ids: list[int] = field(default_factory=list)
+    """Hinted samples whose target fell outside the kept tokens, or whose teacher sequence does not
+    fit ``seq_len`` (trained with RL only)."""
 
 
 @dataclass
@@ -54,6 +68,10 @@ class _Piece:
     advantages: list[float]
     logprobs: list[float]
     completion_len: int
+    sdpo_range: tuple[int, int] | None = None
+    """SDPO target tokens as ``input_ids[start:end]``; None without a hint."""
+    teacher_ids: list[int] | None = None
+    """Teacher sequence: hinted prefix + the target tokens, which are its last ``end - start``."""
 
 
 def _fit(sample_id: int, sample: Sample, seq_len: int) -> tuple[_Piece | None, bool]:
@@ -64,14 +82,21 @@ def _fit(sample_id: int, sample: Sample, seq_len: int) -> tuple[_Piece | None, b
     if keep <= 0 or not any(sample.completion_mask[:keep]):
         return None, truncated
     mask = [False] * num_prompt + [m == 1 for m in sample.completion_mask[:keep]]
-    return _Piece(
+    piece = _Piece(
         sample_id=sample_id,
         input_ids=list(sample.prompt_ids) + list(sample.completion_ids[:keep]),
         loss_mask=mask,
         advantages=[sample.advantage if m else 0.0 for m in mask],
         logprobs=[0.0] * num_prompt + list(sample.completion_logprobs[:keep]),
         completion_len=keep,
-    ), truncated
+    )
+    if sample.sdpo_span is not None and sample.teacher_prefix_ids is not None:
+        start, end = sample.sdpo_span[0], min(sample.sdpo_span[1], keep)
+        teacher = list(sample.teacher_prefix_ids) + list(sample.completion_ids[start:end])
+        if end > start and len(teacher) <= seq_len:
+            piece.sdpo_range = (num_prompt + start, num_prompt + end)
+            piece.teacher_ids = teacher
+    return piece, truncated
 
 
 def _first_fit_decreasing(pieces: list[_Piece], seq_len: int) -> list[list[_Piece]]:
@@ -107,6 +132,39 @@ def _assign_to_ranks(
     return ranks
 
 
+def _teacher_rows(
+    rows: list[list[_Piece]], seq_len: int, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher ``(input_ids, position_ids, target_mask)`` ``[Rt, seq_len]`` for the hinted pieces of
+    ``rows``, next-fit in student order (row by row, left to right) so the target tokens line up."""
+    sequences: list[tuple[list[int], int]] = []  # (teacher ids, number of target tokens at the end)
+    for row in rows:
+        for piece in row:
+            if piece.sdpo_range is not None and piece.teacher_ids is not None:
+                sequences.append((piece.teacher_ids, piece.sdpo_range[1] - piece.sdpo_range[0]))
+    packed: list[list[tuple[list[int], int]]] = []
+    used = seq_len
+    for ids, num_target in sequences:
+        if used + len(ids) > seq_len:
+            packed.append([])
+            used = 0
+        packed[-1].append((ids, num_target))
+        used += len(ids)
+    input_ids = torch.full((len(packed), seq_len), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((len(packed), seq_len), dtype=torch.long)
+    target_mask = torch.zeros((len(packed), seq_len), dtype=torch.bool)
+    for r, teacher_row in enumerate(packed):
+        start = 0
+        for ids, num_target in teacher_row:
+            end = start + len(ids)
+            input_ids[r, start:end] = torch.tensor(ids)
+            position_ids[r, start:end] = torch.arange(end - start)
+            target_mask[r, end - num_target : end] = True
+            start = end
+        position_ids[r, start:] = torch.arange(seq_len - start)
+    return input_ids, position_ids, target_mask
+
+
 def _micro_batch(
     rows: list[list[_Piece]], seq_len: int, pad_token_id: int, meta: dict[str, int | float]
 ) -> MicroBatch:
@@ -118,6 +176,7 @@ def _micro_batch(
     advantages = torch.zeros((num_rows, seq_len), dtype=torch.float32)
     logprobs = torch.zeros((num_rows, seq_len), dtype=torch.float32)
     sample_ids = torch.full((num_rows, seq_len), -1, dtype=torch.long)
+    sdpo_mask = torch.zeros((num_rows, seq_len), dtype=torch.bool)
     for r, row in enumerate(rows):
         start = 0
         for piece in row:
@@ -128,11 +187,14 @@ def _micro_batch(
             advantages[r, start:end] = torch.tensor(piece.advantages)
             logprobs[r, start:end] = torch.tensor(piece.logprobs)
             sample_ids[r, start:end] = piece.sample_id
+            if piece.sdpo_range is not None:
+                sdpo_mask[r, start + piece.sdpo_range[0] : start + piece.sdpo_range[1]] = True
             start = end
         # The padding tail is numbered like one more sample, so it attends only to itself.
         position_ids[r, start:] = torch.arange(seq_len - start)
     if not rows:
         position_ids[0] = torch.arange(seq_len)
+    teacher_ids, teacher_positions, teacher_mask = _teacher_rows(rows, seq_len, pad_token_id)
     return MicroBatch(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -140,6 +202,10 @@ def _micro_batch(
         advantages=advantages,
         inference_logprobs=logprobs,
         sample_ids=sample_ids,
+        sdpo_mask=sdpo_mask,
+        teacher_input_ids=teacher_ids,
+        teacher_position_ids=teacher_positions,
+        teacher_target_mask=teacher_mask,
         **meta,  # type: ignore[arg-type]
     )
 
@@ -173,6 +239,8 @@ def pack_step(
             stats.dropped_sample_ids.append(sample_id)
         else:
             pieces.append(piece)
+            if sample.sdpo_span is not None and piece.sdpo_range is None:
+                stats.sdpo_dropped_sample_ids.append(sample_id)
 
     rows = _first_fit_decreasing(pieces, seq_len)
     num_micro_batches = math.ceil(len(rows) / micro_batch_size)
@@ -184,6 +252,7 @@ def pack_step(
         "num_loss_tokens": sum(sum(p.loss_mask) for p in pieces),
         "num_samples": len(pieces),
         "max_completion_len": max((p.completion_len for p in pieces), default=0),
+        "num_sdpo_tokens": sum(p.sdpo_range[1] - p.sdpo_range[0] for p in pieces if p.sdpo_range is not None),
     }
     rank_batches: list[list[MicroBatch]] = []
     for rows_of_rank in rank_rows:
@@ -196,6 +265,13 @@ def pack_step(
         rank_batches.append([_micro_batch(chunk, seq_len, pad_token_id, meta) for chunk in chunks])
 
     stats.num_rows = len(rows)
+    stats.num_sdpo_samples = sum(p.sdpo_range is not None for p in pieces)
+    stats.num_teacher_rows = sum(
+        int(mb.teacher_input_ids.shape[0])
+        for mbs in rank_batches
+        for mb in mbs
+        if mb.teacher_input_ids is not None
+    )
     if rows:
         stats.fill_ratio = sum(len(p.input_ids) for p in pieces) / (len(rows) * seq_len)
     return rank_batches, stats

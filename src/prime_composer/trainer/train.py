@@ -37,6 +37,8 @@ from prime_composer.trainer.losses.logprobs import entropy_from_logits
 from prime_composer.trainer.losses.rl import rl_loss
 from prime_composer.trainer.model import World, full_state_dict, init_distributed, load_model, shard_model
 from prime_composer.trainer.optim import build_optimizer, clip_grad_norm
+from prime_composer.trainer.sdpo_term import SDPOTerm
+from prime_composer.trainer.teacher import TeacherModel
 from prime_composer.transport.batch import MicroBatch
 from prime_composer.transport.factory import make_receiver
 from prime_composer.transport.weights import parse_step, publish_weights
@@ -62,19 +64,35 @@ def train_step(
     loss_cfg: LossConfig,
     device: torch.device,
     world_size: int = 1,
+    teacher: TeacherModel | None = None,
 ) -> tuple[torch.Tensor, dict[str, float], int]:
     """Forward and backward over one rank's micro-batches of a step (gradients accumulate).
 
+    The loss is ``rl + loss.sdpo.weight * sdpo``; the SDPO term (``SDPOTerm``, needs ``teacher``)
+    runs only when the weight is above 0, and its teacher forward only for micro-batches with
+    hinted samples.
+
     Returns ``(loss, metrics, num_tokens)``: the step's total loss summed over every rank, the
-    reduced loss metrics, and the non-padding tokens this rank processed.
+    reduced loss metrics (with ``loss/rl`` and, with SDPO, ``loss/sdpo``), and the non-padding
+    tokens this rank processed.
     """
     segments = [_dense_segments(mb.sample_ids) for mb in micro_batches]
     normalizer = rl_normalizer([mb.loss_mask for mb in micro_batches], loss_cfg.rl, segments)
+    sdpo_weight = loss_cfg.sdpo.weight
+    sdpo: SDPOTerm | None = None
+    if sdpo_weight > 0:
+        if teacher is None:
+            raise ValueError("train_step: loss.sdpo.weight > 0 needs a TeacherModel")
+        sdpo = SDPOTerm(teacher, loss_cfg.sdpo, micro_batches)
     total = torch.zeros((), dtype=torch.float32, device=device)
+    rl_total = torch.zeros((), dtype=torch.float32, device=device)
+    sdpo_total = torch.zeros((), dtype=torch.float32, device=device)
     acc: dict[str, torch.Tensor] = {}
     num_tokens = 0
-    for mb, segment_ids in zip(micro_batches, segments, strict=True):
+    for index, (mb, segment_ids) in enumerate(zip(micro_batches, segments, strict=True)):
         mb = mb.to(device)
+        # Teacher first: its activations are gone before the student's are alive.
+        teacher_logits = sdpo.teacher_logits(index, mb) if sdpo is not None else None
         logprobs, logits = packed_token_logprobs(model, mb, mb.temperature, return_logits=True)
         assert logits is not None
         # Entropy is only logged: compute it on the loss tokens alone, not on every prompt and
@@ -91,13 +109,24 @@ def train_step(
             entropy=entropy,
             segment_ids=segment_ids.to(device),
         )
+        rl_total += loss.detach().float()
+        if sdpo is not None and teacher_logits is not None:
+            sdpo_part, sdpo_metrics = sdpo.loss(logits, mb, teacher_logits)
+            loss = loss + sdpo_weight * sdpo_part
+            sdpo_total += sdpo_part.detach().float()
+            metrics.update(sdpo_metrics)
         # The normalizer is global, so the step's gradient is the SUM of every rank's; FSDP
         # averages gradients over ranks, which the world-size factor undoes.
         (loss * world_size).backward()
         total += loss.detach().float()
         acc = accumulate_metrics(acc, metrics)
         num_tokens += int((mb.sample_ids >= 0).sum())
-    return _all_reduce_sum(total), finalize_metrics(acc), num_tokens
+    reduced = finalize_metrics(acc)
+    reduced["loss/rl"] = float(_all_reduce_sum(rl_total))
+    if sdpo is not None:
+        reduced["loss/sdpo"] = float(_all_reduce_sum(sdpo_total))
+        reduced["sdpo/num_tokens"] = sdpo.normalizer
+    return _all_reduce_sum(total), reduced, num_tokens
 
 
 class Trainer:
@@ -109,6 +138,20 @@ class Trainer:
         self.hf_config = model.config
         self.model = shard_model(model, world, config.mixed_precision) if world.is_distributed else model
         self.optimizer, self.scheduler = build_optimizer(self.model, config.optim, config.max_steps)
+        self.teacher: TeacherModel | None = None
+        if config.loss.sdpo.weight > 0:
+            # Under FSDP the copy is loaded and sharded like the policy (a sharded module cannot be
+            # deep-copied); the policy's local shards are then copied in.
+            make_copy = (
+                (
+                    lambda: shard_model(
+                        load_model(config.model, world.device)[0], world, config.mixed_precision
+                    )
+                )
+                if world.is_distributed
+                else None
+            )
+            self.teacher = TeacherModel(self.model, config.loss.sdpo, make_copy=make_copy)
         self.ckpt = CheckpointManager(config.output_dir / "checkpoints", config.ckpt.keep, world)
         self.broadcast_root = config.output_dir / "broadcasts"
         self.metrics = MetricsLogger(config.output_dir, "trainer") if world.is_main else None
@@ -170,12 +213,19 @@ class Trainer:
         t0 = time.monotonic()
         self.optimizer.zero_grad(set_to_none=True)
         loss, loss_metrics, num_tokens = train_step(
-            self.model, micro_batches, self.config.loss, self.world.device, self.world.world_size
+            self.model,
+            micro_batches,
+            self.config.loss,
+            self.world.device,
+            self.world.world_size,
+            self.teacher,
         )
         grad_norm = clip_grad_norm(self.model, self.config.optim.max_grad_norm)
         finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
         if finite:
             self.optimizer.step()
+            if self.teacher is not None:
+                self.teacher.update(self.model)
         else:
             logger.warning(
                 "non-finite loss (%s) or grad norm (%s): update skipped", loss.item(), grad_norm.item()
@@ -187,7 +237,6 @@ class Trainer:
         num_tokens = int(_all_reduce_sum(torch.tensor(num_tokens, dtype=torch.float64)).item())
         return {
             "loss/total": loss.item(),
-            "loss/rl": loss.item(),
             "entropy": loss_metrics.get("rl/entropy"),
             **loss_metrics,
             "grad_norm": grad_norm.item(),

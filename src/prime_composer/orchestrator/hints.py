@@ -1,0 +1,285 @@
+"""SDPO targets: pick failed rollouts, build a hint for the turn that went wrong, render the teacher.
+
+For each step's kept samples (``HintBuilder.apply``):
+
+1. **candidates**: no error, reward below ``reward_threshold``; lowest reward first; at most
+   ``max_hinted_fraction`` of the step's samples end up hinted.
+2. **target turn**: ``info["error_turn"]``, else the turn the environment's feedback is about, else
+   the last assistant turn (a single-turn rollout: the whole completion). The target span is that
+   turn's policy tokens in ``completion_ids``; tool and environment tokens are never in it.
+3. **hint**: the configured sources in order (``hint_sources``): sibling success, environment
+   feedback, template, LLM. The text is wrapped by ``hint_format`` and cut to ``max_hint_tokens``.
+4. **teacher context**: the messages before the target turn with the hint inserted, rendered with
+   the same chat template (``hint_render``), after checking that the same messages without the hint
+   reproduce the student's tokens; cut in the middle to fit ``seq_len`` with the target span.
+
+The result is written on the sample: ``Sample.set_sdpo_target(span, teacher_prefix_ids)`` and
+``info["hint_source"]``, ``info["hint"]``. Packing then puts the student span in ``sdpo_mask`` and
+``teacher_prefix_ids + completion_ids[start:end]`` in the micro-batch's teacher rows.
+
+Samples that cannot be hinted are counted by reason in the step metrics
+(``sdpo/skipped/<reason>``), never silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prime_composer.config.sdpo import HintConfig
+from prime_composer.orchestrator import hint_render
+from prime_composer.orchestrator.hint_sources import (
+    HintRequest,
+    LLMHints,
+    TemplateHints,
+    error_kind,
+    feedback_for_turn,
+    feedback_hint,
+    parse_feedback,
+    sibling_hint,
+    strip_thinking,
+)
+from prime_composer.orchestrator.sample import Sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HintStats:
+    """What hinting did to one step, for the orchestrator's metrics."""
+
+    num_samples: int = 0
+    num_candidates: int = 0
+    """Samples below the reward threshold."""
+    num_hinted: int = 0
+    num_teacher_truncated: int = 0
+    """Hinted samples whose teacher context was cut in the middle to fit ``seq_len``."""
+    sources: Counter[str] = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)
+    """Candidates left without a hint, by reason."""
+    num_llm_errors: int = 0
+
+    def metrics(self, source_names: Sequence[str]) -> dict[str, float]:
+        out: dict[str, float] = {
+            "sdpo/num_hinted": self.num_hinted,
+            "sdpo/hinted_fraction": self.num_hinted / self.num_samples if self.num_samples else 0.0,
+            "sdpo/num_candidates": self.num_candidates,
+            "sdpo/teacher_truncated": self.num_teacher_truncated,
+        }
+        out.update({f"sdpo/source/{name}": self.sources[name] for name in source_names})
+        out.update({f"sdpo/skipped/{reason}": n for reason, n in sorted(self.skipped.items())})
+        if "llm" in source_names:
+            out["sdpo/llm_errors"] = self.num_llm_errors
+        return out
+
+
+@dataclass
+class _Built:
+    span: tuple[int, int]
+    teacher_prefix: list[int]
+    source: str
+    detail: str | None
+    """Which template, for the template source."""
+    hint: str
+    truncated: bool
+
+
+class HintBuilder:
+    """Builds SDPO targets for a step's samples (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: HintConfig,
+        tokenizer: Any,
+        seq_len: int,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """``tokenizer`` must be the policy's (its chat template rendered the rollouts);
+        ``chat_template_kwargs`` are the ones the rollout requests sent (``sampling.extra_body``)."""
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "orchestrator.sdpo needs a tokenizer with a chat template to render hinted contexts"
+            )
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        self.success_threshold = (
+            cfg.reward_threshold if cfg.success_threshold is None else cfg.success_threshold
+        )
+        self.templates = TemplateHints(cfg.template_dir) if "template" in cfg.sources else None
+        self.llm = LLMHints(cfg.llm) if "llm" in cfg.sources else None
+        self._warned_render = False
+
+    async def apply(self, samples: list[Sample]) -> HintStats:
+        """Set SDPO targets on ``samples`` in place (any earlier targets are cleared)."""
+        stats = HintStats(num_samples=len(samples))
+        for s in samples:
+            s.sdpo_span = s.teacher_prefix_ids = None
+            for key in ("hint_source", "hint", "hint_template"):
+                s.info.pop(key, None)
+        groups: dict[int, list[Sample]] = defaultdict(list)
+        for s in samples:
+            groups[s.group_id].append(s)
+        candidates = sorted(
+            (i for i, s in enumerate(samples) if s.error is None and s.reward < self.cfg.reward_threshold),
+            key=lambda i: (samples[i].reward, i),
+        )
+        stats.num_candidates = len(candidates)
+        limit = math.floor(self.cfg.max_hinted_fraction * len(samples) + 1e-9)
+        llm_errors_before = self.llm.num_errors if self.llm else 0
+        replies = self._last_replies(samples) if "sibling" in self.cfg.sources else {}
+        # Waves of at most the remaining budget, so the LLM is not asked for hints we would drop.
+        position = 0
+        while position < len(candidates) and stats.num_hinted < limit:
+            wave = candidates[position : position + limit - stats.num_hinted]
+            position += len(wave)
+            results = await asyncio.gather(
+                *(self._build(samples[i], groups[samples[i].group_id], replies) for i in wave)
+            )
+            for i, result in zip(wave, results, strict=True):
+                sample = samples[i]
+                if isinstance(result, str):
+                    stats.skipped[result] += 1
+                    continue
+                sample.set_sdpo_target(result.span, result.teacher_prefix)
+                sample.info["hint_source"] = result.source
+                sample.info["hint"] = result.hint
+                if result.detail is not None:
+                    sample.info["hint_template"] = result.detail
+                stats.num_hinted += 1
+                stats.sources[result.source] += 1
+                stats.num_teacher_truncated += int(result.truncated)
+        if position < len(candidates):
+            stats.skipped["over_fraction"] = len(candidates) - position
+        if stats.skipped["render_mismatch"] and not self._warned_render:
+            self._warned_render = True  # once: the metric sdpo/skipped/render_mismatch keeps counting
+            logger.warning(
+                "SDPO: %d failed rollouts get no hint because the chat template, applied to their messages, "
+                "does not reproduce their prompt tokens (other chat_template_kwargs, tools, or a template "
+                "that rewrites earlier turns); see sdpo/skipped/render_mismatch",
+                stats.skipped["render_mismatch"],
+            )
+        if self.llm is not None:
+            stats.num_llm_errors = self.llm.num_errors - llm_errors_before
+        return stats
+
+    def _last_replies(self, samples: list[Sample]) -> dict[int, str]:
+        """Text of every successful sample's last assistant turn (sibling solutions)."""
+        out = {}
+        for s in samples:
+            if s.error is None and s.reward >= self.success_threshold:
+                turns = hint_render.assistant_turns(s.completion_mask)
+                if turns:
+                    start, end = turns[-1]
+                    text = self.tokenizer.decode(s.completion_ids[start:end], skip_special_tokens=True)
+                    out[id(s)] = strip_thinking(text) if self.cfg.strip_thinking else text.strip()
+        return out
+
+    async def _build(self, sample: Sample, group: list[Sample], replies: dict[int, str]) -> _Built | str:
+        """The sample's target, or the reason it gets none."""
+        cfg = self.cfg
+        turns = hint_render.assistant_turns(sample.completion_mask)
+        if not turns:
+            return "no_policy_tokens"
+        messages = hint_render.text_messages(sample.info.get("messages") or [])
+        if not messages:
+            return "no_messages"
+        feedback = parse_feedback(sample.info.get("feedback"))
+        if feedback is None:
+            return "bad_feedback"
+        turn = self._target_turn(sample, feedback, len(turns))
+        if turn is None:
+            return "bad_error_turn"
+        start, end = turns[turn]
+        # Packing keeps prompt + completion[: seq_len - len(prompt)] of the student.
+        end = min(end, self.seq_len - len(sample.prompt_ids))
+        if end <= start:
+            return "student_truncated"
+        context = hint_render.turn_context(messages, turn)
+        if context is None:
+            return "messages_mismatch"
+        student_context = sample.prompt_ids + sample.completion_ids[:start]
+        if hint_render.render_ids(self.tokenizer, context, self.template_kwargs) != student_context:
+            return "render_mismatch"
+
+        turn_feedback = feedback_for_turn(feedback, turn, len(turns))
+        request = HintRequest(
+            sample=sample,
+            group=group,
+            turn=turn,
+            num_turns=len(turns),
+            reply=self.tokenizer.decode(sample.completion_ids[start:end], skip_special_tokens=True),
+            messages=messages,
+            error_kind=error_kind(sample, turn_feedback, cfg.metric_error_kinds),
+            feedback=turn_feedback,
+        )
+        found = await self._hint_text(request, replies)
+        if found is None:
+            return "no_hint"
+        source, text, detail = found
+        hint = self._cut(cfg.hint_format.replace("{hint}", text))
+
+        prefix = hint_render.render_ids(
+            self.tokenizer, hint_render.with_hint(context, hint, cfg), self.template_kwargs
+        )
+        task_ids = hint_render.task_statement_ids(self.tokenizer, context, self.template_kwargs)
+        fitted = hint_render.fit_teacher(prefix, student_context, task_ids, end - start, self.seq_len)
+        if fitted is None:
+            return "teacher_too_long"
+        teacher_prefix, span_len = fitted
+        return _Built(
+            span=(start, start + span_len),
+            teacher_prefix=teacher_prefix,
+            source=source,
+            detail=detail,
+            hint=hint,
+            truncated=len(teacher_prefix) < len(prefix),
+        )
+
+    def _target_turn(self, sample: Sample, feedback: list, num_turns: int) -> int | None:
+        explicit = sample.info.get("error_turn")
+        if explicit is None:
+            located = [f.turn for f in feedback if f.turn is not None]
+            explicit = located[0] if located else -1
+        if (
+            not isinstance(explicit, int)
+            or isinstance(explicit, bool)
+            or not -num_turns <= explicit < num_turns
+        ):
+            return None
+        return explicit % num_turns
+
+    async def _hint_text(
+        self, request: HintRequest, replies: dict[int, str]
+    ) -> tuple[str, str, str | None] | None:
+        """``(source, text, template name)`` from the first source that yields a hint."""
+        cfg = self.cfg
+        for source in cfg.sources:
+            text: str | None = None
+            detail: str | None = None
+            if source == "sibling":
+                text = sibling_hint(request, self.success_threshold, cfg.sibling_format, replies)
+            elif source == "feedback":
+                text = feedback_hint(request, cfg.feedback_format)
+            elif source == "template":
+                assert self.templates is not None
+                found = self.templates.hint(request)
+                text, detail = found if found else (None, None)
+            elif source == "llm":
+                assert self.llm is not None
+                text = await self.llm.hint(request)
+            if text and text.strip():
+                return source, text.strip(), detail
+        return None
+
+    def _cut(self, hint: str) -> str:
+        ids = self.tokenizer.encode(hint, add_special_tokens=False)
+        if len(ids) <= self.cfg.max_hint_tokens:
+            return hint
+        return self.tokenizer.decode(ids[: self.cfg.max_hint_tokens], skip_special_tokens=True)

@@ -1,0 +1,141 @@
+"""SDPO in packed micro-batches: student targets and teacher rows line up token for token."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import torch
+
+from prime_composer.orchestrator.packing import pack_step
+from prime_composer.orchestrator.sample import Sample
+from prime_composer.transport.batch import MicroBatch, decode_rank_batch, encode_rank_batch
+
+PAD = 0
+
+
+def _sample(rng: random.Random, i: int, hinted: bool, seq_len: int) -> Sample:
+    prompt = [rng.randint(1, 99) for _ in range(rng.randint(2, 6))]
+    # Two turns: policy tokens, 2 spliced environment tokens (mask 0), policy tokens.
+    first, second = rng.randint(1, 4), rng.randint(1, 4)
+    completion = [rng.randint(100, 199) for _ in range(first + 2 + second)]
+    mask = [1] * first + [0, 0] + [1] * second
+    s = Sample(
+        prompt_ids=prompt,
+        completion_ids=completion,
+        completion_logprobs=[-0.5] * len(completion),
+        completion_mask=mask,
+        reward=0.0,
+        example_id=i,
+        group_id=i,
+        policy_step=0,
+        advantage=1.0,
+    )
+    if hinted:
+        span = (first + 2, first + 2 + second) if i % 2 else (0, first)
+        hint = [rng.randint(200, 299) for _ in range(rng.randint(1, 5))]
+        prefix = prompt + completion[: span[0]] + hint  # the hint goes right before the target turn
+        s.set_sdpo_target(span, prefix[: seq_len - (span[1] - span[0])])
+    return s
+
+
+def _row_major(values: torch.Tensor, mask: torch.Tensor) -> list[int]:
+    return values[mask].tolist()  # boolean indexing walks rows in order, left to right
+
+
+def test_teacher_rows_align_with_student_targets():
+    rng = random.Random(0)
+    seq_len = 24
+    samples = [_sample(rng, i, hinted=i % 3 != 0, seq_len=seq_len) for i in range(14)]
+    rank_batches, stats = pack_step(samples, seq_len, micro_batch_size=2, num_ranks=2, pad_token_id=PAD)
+    expected_total = sum(s.sdpo_span[1] - s.sdpo_span[0] for s in samples if s.sdpo_span)
+    seen_hinted: set[int] = set()
+    for mbs in rank_batches:
+        for mb in mbs:
+            assert mb.num_sdpo_tokens == expected_total
+            assert not (mb.sdpo_mask & ~mb.loss_mask).any()  # targets are policy tokens only
+            assert _row_major(mb.input_ids, mb.sdpo_mask) == _row_major(
+                mb.teacher_input_ids, mb.teacher_target_mask
+            )
+            # Every hinted student here has its whole teacher sequence in this micro-batch's teacher rows.
+            teacher_seqs = []
+            for r in range(mb.teacher_input_ids.shape[0]):
+                starts = [*(mb.teacher_position_ids[r] == 0).nonzero().flatten().tolist(), seq_len]
+                for a, b in itertools.pairwise(starts):
+                    if mb.teacher_target_mask[r, a:b].any():
+                        teacher_seqs.append(mb.teacher_input_ids[r, a:b].tolist())
+            hinted_here = [int(i) for i in torch.unique(mb.sample_ids[mb.sdpo_mask]).tolist()]
+            seen_hinted.update(hinted_here)
+            expected_seqs = sorted(
+                samples[i].teacher_prefix_ids + samples[i].completion_ids[slice(*samples[i].sdpo_span)]
+                for i in hinted_here
+            )
+            assert sorted(teacher_seqs) == expected_seqs
+    assert seen_hinted == {i for i, s in enumerate(samples) if s.sdpo_span}
+    assert stats.num_sdpo_samples == len(seen_hinted) and stats.num_teacher_rows > 0
+
+
+def test_positions_restart_for_every_teacher_sequence():
+    rng = random.Random(1)
+    samples = [_sample(rng, i, hinted=True, seq_len=40) for i in range(6)]
+    (mbs,), _ = pack_step(samples, 40, micro_batch_size=8, num_ranks=1, pad_token_id=PAD)
+    (mb,) = mbs
+    for r in range(mb.teacher_input_ids.shape[0]):
+        pos = mb.teacher_position_ids[r].tolist()
+        # Contiguous runs 0, 1, 2, ...: every step is +1 or a restart at 0.
+        assert pos[0] == 0 and all(b == a + 1 or b == 0 for a, b in itertools.pairwise(pos))
+
+
+def test_no_hint_gives_empty_teacher_tensors_and_round_trips():
+    rng = random.Random(2)
+    plain = [_sample(rng, i, hinted=False, seq_len=30) for i in range(3)]
+    (mbs,), _ = pack_step(plain, 30, micro_batch_size=4, num_ranks=1, pad_token_id=PAD)
+    assert mbs[0].teacher_input_ids.shape == (0, 30) and not mbs[0].sdpo_mask.any()
+    assert mbs[0].num_sdpo_tokens == 0
+    hinted = [_sample(rng, i, hinted=True, seq_len=30) for i in range(3)]
+    for batch in (mbs, pack_step(hinted, 30, micro_batch_size=1, num_ranks=1, pad_token_id=PAD)[0][0]):
+        _, _, decoded = decode_rank_batch(encode_rank_batch(3, 0, batch))
+        for a, b in zip(batch, decoded, strict=True):
+            assert a.step_meta() == b.step_meta()
+            for name, tensor in a.tensors().items():
+                assert torch.equal(tensor, b.tensors()[name]) and tensor.dtype == b.tensors()[name].dtype, (
+                    name
+                )
+
+
+def test_student_truncation_clips_the_span_and_a_teacher_too_long_drops_sdpo():
+    s = Sample(
+        prompt_ids=[1, 2, 3],
+        completion_ids=[10, 11, 12, 13, 14],
+        completion_logprobs=[0.0] * 5,
+        completion_mask=[1] * 5,
+        reward=0.0,
+        example_id=0,
+        group_id=0,
+        policy_step=0,
+    )
+    s.set_sdpo_target((0, 5), [1, 2, 50])  # a teacher context cut in the middle, say
+    (mbs,), stats = pack_step([s], 6, micro_batch_size=1, num_ranks=1, pad_token_id=PAD)
+    (mb,) = mbs
+    # Student keeps 3 prompt + 3 completion tokens; the span is cut to those 3.
+    assert mb.sdpo_mask[0].tolist() == [False] * 3 + [True] * 3
+    assert mb.teacher_input_ids[0].tolist() == [1, 2, 50, 10, 11, 12]
+    assert mb.teacher_target_mask[0].tolist() == [False] * 3 + [True] * 3
+    assert mb.num_sdpo_tokens == 3 and not stats.sdpo_dropped_sample_ids
+    s.set_sdpo_target((0, 3), [1, 2, 3, 50, 51, 52, 53])  # 7 + 3 > 10
+    (mbs,), stats = pack_step([s], 8, micro_batch_size=1, num_ranks=1, pad_token_id=PAD)
+    assert stats.sdpo_dropped_sample_ids == [0] and mbs[0].num_sdpo_tokens == 0
+
+
+def test_micro_batch_rejects_misaligned_sdpo_masks():
+    rng = random.Random(3)
+    (mbs,), _ = pack_step([_sample(rng, 1, hinted=True, seq_len=30)], 30, 1, 1, PAD)
+    mb = mbs[0]
+    bad = mb.teacher_target_mask.clone()
+    bad[0, 0] = True
+    try:
+        MicroBatch(**{**mb.tensors(), "teacher_target_mask": bad}, **mb.step_meta())
+    except ValueError as e:
+        assert "align" in str(e)
+    else:
+        raise AssertionError("a misaligned teacher mask was accepted")

@@ -1,0 +1,143 @@
+"""SDPO in the trainer step: no teacher forward at weight 0, gradients only through the student.
+
+The reference gradient is computed without the code under test: plain unpacked float64 forwards of the
+model on each student and teacher sequence, the teacher's distribution detached, and the forward
+KL ``sum_t KL(P_teacher || P_student)`` written out with ``log_softmax`` (beta = 0), times alpha,
+over the step's number of target tokens. The RL term has zero advantages, so it adds no gradient.
+If the teacher pass leaked gradient into the shared (live) weights, the step's gradient would
+differ from this reference.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from prime_composer.config.loss import LossConfig, SDPOLossConfig
+from prime_composer.model.resolve import resolve_model_name
+from prime_composer.orchestrator.packing import pack_step
+from prime_composer.orchestrator.sample import Sample
+from prime_composer.trainer.teacher import TeacherModel
+from prime_composer.trainer.train import train_step
+
+SEQ_LEN = 48
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    torch.set_num_threads(1)
+    return resolve_model_name("builtin:tiny-qwen3")
+
+
+def _model(path):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="sdpa")
+
+
+def _samples(hinted: list[bool]) -> list[Sample]:
+    rng = random.Random(0)
+    out = []
+    for i, hint in enumerate(hinted):
+        prompt = [rng.randint(3, 400) for _ in range(rng.randint(3, 8))]
+        completion = [rng.randint(3, 400) for _ in range(rng.randint(3, 7))]
+        s = Sample(
+            prompt_ids=prompt,
+            completion_ids=completion,
+            completion_logprobs=[-1.0] * len(completion),
+            completion_mask=[1] * len(completion),
+            reward=0.0,
+            example_id=i,
+            group_id=i,
+            policy_step=0,
+            advantage=0.0,  # no policy gradient: the step's gradient is the SDPO term's alone
+        )
+        if hint:
+            start = rng.randint(0, len(completion) - 2)
+            hint_ids = [rng.randint(3, 400) for _ in range(rng.randint(2, 6))]
+            s.set_sdpo_target((start, len(completion)), prompt + completion[:start] + hint_ids)
+        out.append(s)
+    return out
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _reference(path, samples: list[Sample], alpha: float) -> tuple[dict[str, torch.Tensor], float]:
+    """Gradients of alpha * mean forward KL over the target tokens, and that mean KL."""
+    model = _model(path)
+    num_targets = sum(s.sdpo_span[1] - s.sdpo_span[0] for s in samples if s.sdpo_span)
+    total = 0.0
+    for s in samples:
+        if s.sdpo_span is None:
+            continue
+        start, end = s.sdpo_span
+        target = s.completion_ids[start:end]
+        student_ids = s.prompt_ids + s.completion_ids
+        teacher_ids = s.teacher_prefix_ids + target
+        lo = len(s.prompt_ids) + start
+        with torch.no_grad():
+            t_logits = model(torch.tensor([teacher_ids])).logits[0, len(s.teacher_prefix_ids) - 1 : -1]
+        s_logits = model(torch.tensor([student_ids])).logits[0, lo - 1 : lo - 1 + len(target)]
+        log_t = (t_logits / TEMPERATURE).log_softmax(-1)
+        log_s = (s_logits / TEMPERATURE).log_softmax(-1)
+        total = total + (log_t.exp() * (log_t - log_s)).sum()
+    (alpha * total / num_targets).backward()
+    return _grads(model), float(total.detach()) / num_targets
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 8])
+def test_gradient_flows_only_through_the_student_with_a_live_teacher(model_path, micro_batch_size):
+    samples = _samples([True, False, True, True, False])
+    (mbs,), _ = pack_step(samples, SEQ_LEN, micro_batch_size, 1, pad_token_id=0, temperature=TEMPERATURE)
+    model = _model(model_path)
+    alpha = 0.5
+    cfg = LossConfig(sdpo=SDPOLossConfig(weight=alpha, beta=0.0, teacher="live"))
+    teacher = TeacherModel(model, cfg.sdpo)
+    loss, metrics, _ = train_step(model, mbs, cfg, torch.device("cpu"), teacher=teacher)
+    got = _grads(model)
+    expected, _ = _reference(model_path, samples, alpha)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert teacher.num_forwards == sum(bool(mb.sdpo_mask.any()) for mb in mbs)
+    assert metrics["loss/rl"] == pytest.approx(0.0, abs=1e-12)
+    assert float(loss) == pytest.approx(alpha * metrics["loss/sdpo"])
+    # beta = 0: the loss term is the forward KL, so the logged KL is the same number per token.
+    assert metrics["sdpo/kl_teacher_student"] == pytest.approx(metrics["loss/sdpo"], rel=1e-6)
+    assert metrics["sdpo/num_tokens"] == sum(s.sdpo_span[1] - s.sdpo_span[0] for s in samples if s.sdpo_span)
+
+
+def test_kl_metric_is_the_forward_kl_for_any_beta(model_path):
+    samples = _samples([True, True, False, True])
+    (mbs,), _ = pack_step(samples, SEQ_LEN, 2, 1, pad_token_id=0, temperature=TEMPERATURE)
+    model = _model(model_path)
+    cfg = LossConfig(sdpo=SDPOLossConfig(weight=1.0, beta=0.5, teacher="live"))
+    _, metrics, _ = train_step(model, mbs, cfg, torch.device("cpu"), teacher=TeacherModel(model, cfg.sdpo))
+    _, kl = _reference(model_path, samples, 1.0)
+    assert metrics["sdpo/kl_teacher_student"] == pytest.approx(kl, rel=1e-5)
+    assert metrics["sdpo/divergence"] < kl  # the JSD of the same distributions is smaller
+
+
+def test_weight_zero_runs_no_teacher_forward(model_path):
+    samples = _samples([True, True, False])
+    (mbs,), _ = pack_step(samples, SEQ_LEN, 1, 1, pad_token_id=0, temperature=TEMPERATURE)
+    model = _model(model_path)
+    teacher = TeacherModel(model, SDPOLossConfig(teacher="live"))
+    _, metrics, _ = train_step(model, mbs, LossConfig(), torch.device("cpu"), teacher=teacher)
+    assert teacher.num_forwards == 0 and "loss/sdpo" not in metrics
+    # On, it runs once per micro-batch that has a hinted sample.
+    on = LossConfig(sdpo=SDPOLossConfig(weight=0.1, teacher="live"))
+    model.zero_grad()
+    train_step(model, mbs, on, torch.device("cpu"), teacher=teacher)
+    assert teacher.num_forwards == sum(bool(mb.sdpo_mask.any()) for mb in mbs) >= 1
+
+
+def test_weight_above_zero_needs_a_teacher(model_path):
+    (mbs,), _ = pack_step(_samples([True]), SEQ_LEN, 1, 1, pad_token_id=0)
+    with pytest.raises(ValueError, match="TeacherModel"):
+        train_step(_model(model_path), mbs, LossConfig(sdpo=SDPOLossConfig(weight=0.1)), torch.device("cpu"))
