@@ -49,7 +49,7 @@ class FilesystemSender:
                 shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the files are the transport (same interface as zmq)."""
 
 
 class FilesystemReceiver:
@@ -76,7 +76,7 @@ class FilesystemReceiver:
         return micro_batches
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the files are the transport (same interface as zmq)."""
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
