@@ -238,7 +238,7 @@ def _wait_until_healthy(
                 logger.info("vLLM ready in %.0f s: %s", time.monotonic() - start, body)
                 return
         except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
-            pass
+            pass  # not listening or not ready yet: poll again until the startup timeout
         if time.monotonic() - start > config.vllm.startup_timeout_s:
             raise RuntimeError(
                 f"vLLM did not answer {url} within inference.vllm.startup_timeout_s = "
