@@ -264,6 +264,11 @@ def test_group_tokens_logprobs_rewards(server, arith) -> None:
         assert sample.metrics["is_integer"] == float(sample.reward == 1.0)
         assert sample.info["messages"][-1] == {"role": "assistant", "content": reply}
         assert not sample.is_truncated
+        if sample.reward == 0.0:  # the environment's feedback reaches the sample (SDPO hints)
+            assert sample.info["feedback"]["kind"] == "wrong_format"
+            assert f"'x{answer}'" in sample.info["feedback"]["text"]
+        else:
+            assert "feedback" not in sample.info
 
     sent = fake.requests[num_before:]
     assert len(sent) == 8

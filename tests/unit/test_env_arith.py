@@ -50,13 +50,18 @@ def test_task_prompt_and_answer(arith) -> None:
     assert [t.data.idx for t in loaded.tasks("train")[:3]] == [0, 1, 2]
 
 
-def _score(task: vf.Task, reply: str) -> tuple[float, dict]:
+def _scored_trace(task: vf.Task, reply: str) -> vf.Trace:
     trace = vf.Trace(
         task=vf.TraceTask(type="ArithTask", data=task.data),
         agent=vf.AgentInfo(config=vf.AgentConfig(runtime=vf.SubprocessConfig())),
     )
     trace.root_reply = reply
     asyncio.run(task.score(trace))
+    return trace
+
+
+def _score(task: vf.Task, reply: str) -> tuple[float, dict]:
+    trace = _scored_trace(task, reply)
     return trace.reward, dict(trace.metrics)
 
 
@@ -68,6 +73,18 @@ def test_reward_is_exact_match_of_the_number(arith) -> None:
     assert _score(task, f"  {answer}\n") == (1.0, {"is_integer": 1.0})
     assert _score(task, str(int(answer) + 1)) == (0.0, {"is_integer": 1.0})
     assert _score(task, f"The answer is {answer}") == (0.0, {"is_integer": 0.0})
+
+
+def test_wrong_replies_leave_feedback_without_the_answer(arith) -> None:
+    loaded, _ = arith
+    task = loaded.tasks("train")[0]
+    a, b = _pair(task)
+    assert "feedback" not in _scored_trace(task, str(a + b)).info
+    wrong = _scored_trace(task, str(a + b + 1)).info["feedback"]
+    assert wrong == {"text": f"{a + b + 1} is not {a} + {b}.", "kind": "wrong_answer"}
+    garbled = _scored_trace(task, "seven").info["feedback"]
+    assert garbled["kind"] == "wrong_format" and "'seven'" in garbled["text"]
+    assert str(a + b) not in garbled["text"].replace(f"{a} + {b}", "")
 
 
 def test_sft_examples_match_the_taskset(arith) -> None:

@@ -154,6 +154,24 @@ def test_token_loss_sum_matches_hf_loss_one_sample_at_a_time(tmp_path, tiny):
     assert got.item() == pytest.approx(expected, rel=1e-5)
 
 
+def test_label_smoothing_is_the_mixture_of_target_and_uniform_cross_entropy(tmp_path, tiny):
+    # Smoothed CE = (1 - eps) * (-log p_target) + eps * mean over the vocabulary of (-log p_v),
+    # computed here by hand from one full forward per sample.
+    model, tokenizer = tiny
+    samples = load_sft_samples(_arithmetic_chats(tmp_path / "c.jsonl", 2, seed=3), tokenizer, 512)
+    eps = 0.3
+    with torch.no_grad():
+        got = token_loss_sum(model, collate(samples, tokenizer.pad_token_id), torch.device("cpu"), eps)
+        expected = 0.0
+        for s in samples:
+            log_p = model(input_ids=torch.tensor([s.input_ids])).logits[0].double().log_softmax(-1)
+            for t in range(1, len(s.input_ids)):
+                if s.loss_mask[t]:
+                    row = log_p[t - 1]
+                    expected += -(1 - eps) * row[s.input_ids[t]].item() - eps * row.mean().item()
+    assert got.item() == pytest.approx(expected, rel=1e-5)
+
+
 def test_micro_batching_does_not_change_the_update(tmp_path, tiny):
     _, tokenizer = tiny
     samples = load_sft_samples(_arithmetic_chats(tmp_path / "c.jsonl", 8, seed=7), tokenizer, 512)

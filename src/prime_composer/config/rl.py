@@ -62,6 +62,10 @@ class WarmupConfig(BaseConfig):
     lr: float = Field(default=1e-3, gt=0)
     """SFT learning rate (constant)."""
 
+    label_smoothing: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """SFT label smoothing (``sft.label_smoothing``). A smoothed warm-up learns to rank the
+    reference answer first without becoming confident in it, which leaves RL room to improve."""
+
 
 class RLConfig(BaseSettings):
     """Everything ``rl`` needs: shared keys at the top, one section per process.

@@ -38,6 +38,11 @@ class SFTConfig(BaseConfig):
     seq_len: int = Field(default=2048, ge=2)
     """Maximum tokens per conversation; longer ones are cut at the end (the count is logged)."""
 
+    label_smoothing: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Cross-entropy label smoothing: each target keeps ``1 - label_smoothing`` of its mass and the
+    rest is spread evenly over the vocabulary, which caps the model's confidence per token (0 =
+    plain cross-entropy)."""
+
     seed: int = 0
     """Seed of the data order and of torch's generators."""
 

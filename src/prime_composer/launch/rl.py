@@ -127,6 +127,7 @@ def warmup_specs(config: RLConfig, config_paths: dict[str, Path]) -> tuple[list[
         batch_size=warmup.batch_size,
         micro_batch_size=warmup.batch_size,
         seq_len=config.orchestrator.seq_len,
+        label_smoothing=warmup.label_smoothing,
         seed=config.seed,
         num_threads=config.trainer.num_threads,
         optim=config.trainer.optim.model_copy(

@@ -254,9 +254,16 @@ def _trace_metrics(trace: vf.Trace) -> dict[str, float]:
     return metrics
 
 
+ENV_INFO_KEYS = ("feedback", "error_turn", "error_kind")
+"""Keys an environment may set on ``trace.info`` for SDPO's hint sources (see
+``orchestrator/hint_sources.py``); they are copied to ``Sample.info`` as they are."""
+
+
 def _trace_info(trace: vf.Trace, env_label: str) -> dict[str, Any]:
     data = trace.task.data
+    from_env = {key: trace.info[key] for key in ENV_INFO_KEYS if key in trace.info}
     return {
+        **from_env,
         "env": env_label,
         "trace_id": trace.id,
         "task_idx": data.idx,

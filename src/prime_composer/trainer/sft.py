@@ -50,10 +50,13 @@ def sft_dir(output_dir: Path) -> Path:
     return Path(output_dir) / "sft"
 
 
-def token_loss_sum(model: nn.Module, batch: PaddedBatch, device: torch.device) -> torch.Tensor:
+def token_loss_sum(
+    model: nn.Module, batch: PaddedBatch, device: torch.device, label_smoothing: float = 0.0
+) -> torch.Tensor:
     """Sum of next-token cross-entropy over the tokens in ``batch.loss_mask`` (float32 scalar).
 
     ``loss_mask[b, t]`` marks token ``t`` as a target, predicted from the logits at ``t - 1``.
+    With ``label_smoothing`` the target is ``(1 - label_smoothing) * onehot + label_smoothing / V``.
     """
     input_ids = batch.input_ids.to(device)
     logits = model(
@@ -62,7 +65,10 @@ def token_loss_sum(model: nn.Module, batch: PaddedBatch, device: torch.device) -
     targets = input_ids[:, 1:]
     mask = batch.loss_mask[:, 1:].to(device)
     per_token = F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        reduction="none",
+        label_smoothing=label_smoothing,
     )
     return (per_token * mask.reshape(-1)).sum()
 
@@ -83,6 +89,7 @@ def train_step(
     num_loss_tokens: int,
     world: World,
     max_grad_norm: float,
+    label_smoothing: float = 0.0,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch, clip, step; returns the step's metrics.
 
@@ -95,7 +102,7 @@ def train_step(
         if isinstance(model, FSDPModule):
             # Reduce-scatter gradients once, after the last micro-batch, not after each one.
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-        micro_sum = token_loss_sum(model, batch, world.device)
+        micro_sum = token_loss_sum(model, batch, world.device, label_smoothing)
         (micro_sum * (world.world_size / num_loss_tokens)).backward()
         loss_sum += micro_sum.detach()
     if world.is_distributed:
@@ -170,7 +177,14 @@ def _train(cfg: SFTConfig, world: World) -> None:
         num_tokens = sum(len(s.input_ids) for s in step_samples)
         micro_batches = rank_micro_batches(step_samples, world, cfg.micro_batch_size, pad_id)
         record = train_step(
-            model, optimizer, scheduler, micro_batches, num_loss_tokens, world, cfg.optim.max_grad_norm
+            model,
+            optimizer,
+            scheduler,
+            micro_batches,
+            num_loss_tokens,
+            world,
+            cfg.optim.max_grad_norm,
+            cfg.label_smoothing,
         )
         elapsed = time.perf_counter() - started
         record.update(

@@ -6,6 +6,9 @@ improves under RL: the prompt is ``What is 3 + 4?`` and the reward is 1 when the
 ``[min_operand, max_operand]`` is a task; a fixed, seeded shuffle puts ``eval_fraction`` of the
 pairs in a held-out ``eval`` split that the ``train`` split never contains.
 
+A wrong reply also leaves environment feedback on ``trace.info["feedback"]`` (what a failing
+check would print), which SDPO's ``feedback`` hint source turns into a hint.
+
 ``sft_examples`` yields the same prompts with their reference answers for supervised warm-up.
 """
 
@@ -36,7 +39,11 @@ class ArithTask(vf.Task[ArithData]):
 
     @vf.reward(weight=1.0)
     async def correct(self, trace: vf.Trace) -> float:
-        return float(trace.last_reply.strip() == self.data.answer)
+        reply = trace.last_reply.strip()
+        if reply == self.data.answer:
+            return 1.0
+        trace.info["feedback"] = feedback(reply, self.data)
+        return 0.0
 
     @vf.metric
     async def is_integer(self, trace: vf.Trace) -> float:
@@ -65,6 +72,17 @@ class ArithConfig(vf.TasksetConfig):
         if self.max_operand < self.min_operand:
             raise ValueError(f"arith: max_operand ({self.max_operand}) < min_operand ({self.min_operand})")
         return self
+
+
+def feedback(reply: str, data: ArithData) -> dict[str, str]:
+    """What the checker reports about a wrong reply (it never states the right answer)."""
+    shown = reply if len(reply) <= 40 else reply[:40] + "..."
+    if _INTEGER.fullmatch(reply) is None:
+        return {
+            "text": f"The reply {shown!r} is not a number; reply with only the number.",
+            "kind": "wrong_format",
+        }
+    return {"text": f"{reply} is not {data.a} + {data.b}.", "kind": "wrong_answer"}
 
 
 def prompt_text(a: int, b: int) -> str:
