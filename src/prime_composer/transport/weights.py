@@ -33,7 +33,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -200,9 +200,10 @@ def _checkpoint_state_dict(
         state_dict[key] = tensor.to("cpu").contiguous().clone()
     if model is not None and hasattr(model, "config") and hasattr(model, "_tied_weights_keys"):
         # A PreTrainedModel: undo in-memory weight conversions as save_pretrained does.
+        from transformers import PreTrainedModel
         from transformers.core_model_loading import revert_weight_conversion
 
-        state_dict = dict(revert_weight_conversion(model, state_dict))
+        state_dict = dict(revert_weight_conversion(cast(PreTrainedModel, model), state_dict))
     return state_dict
 
 
