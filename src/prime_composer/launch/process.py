@@ -23,7 +23,9 @@ from typing import Literal
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """``preexec_fn`` for children: runs between fork and exec and asks the kernel to SIGTERM the
+    child when this process dies, even by SIGKILL (Linux only; elsewhere a no-op)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -61,7 +63,7 @@ class ManagedProcess:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **self.spec.env},
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
 
     def poll(self) -> int | None:

@@ -43,6 +43,7 @@ from types import FrameType
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.inference.auth import resolve_admin_secret
 from prime_composer.inference.vllm.admin import SETTINGS_ENV, admin_settings
+from prime_composer.launch.process import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ def serve_vllm(config: InferenceConfig) -> None:
     command = build_vllm_command(config, resolve_model_name(config.model.name))
     logger.info("starting vLLM: %s", " ".join(command))
     child = subprocess.Popen(
-        command, env=build_vllm_env(config), start_new_session=True, preexec_fn=_die_with_parent
+        command, env=build_vllm_env(config), start_new_session=True, preexec_fn=die_with_parent
     )
     stopping = False
 
@@ -250,12 +251,3 @@ def _wait_until_healthy(
 def _signal_group(pgid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):  # the group is already gone
         os.killpg(pgid, signum)
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when this process dies (Linux only)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
