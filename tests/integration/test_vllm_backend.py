@@ -217,12 +217,14 @@ def test_vllm_cpu_serves_published_weights(tmp_path: Path) -> None:
         result: dict[str, Any] = {}
 
         def run_long_request() -> None:
-            result["out"] = _generate(url, PROMPTS[1], max_tokens=200, ignore_eos=True)
+            # Nearly the whole 512-token context, so the request outlasts the update's start
+            # even on a quiet machine (200 tokens took ~1.1 s there).
+            result["out"] = _generate(url, PROMPTS[1], max_tokens=480, ignore_eos=True)
             result["finished"] = time.monotonic()
 
         long_request = threading.Thread(target=run_long_request)
         long_request.start()
-        time.sleep(1.0)
+        time.sleep(1.0)  # let the request be admitted first
         update_requested = time.monotonic()
         response = httpx.post(f"{url}/update_weights", json={"path": "step_1"}, timeout=120)
         long_request.join(timeout=120)
