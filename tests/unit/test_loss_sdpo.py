@@ -238,3 +238,120 @@ def test_sdpo_config_validation():
     with pytest.raises(ValidationError, match="weight"):
         SDPOLossConfig(weight=-1.0)
     assert SDPOLossConfig(teacher="live").teacher == "live"
+
+
+# ------------------------------------------------ closed-form backward against autograd
+
+
+def _plain_divergence(student: torch.Tensor, teacher: torch.Tensor, beta: float, top_k: int | None):
+    """Per-row divergence of [N, V] logits written out with differentiable torch ops only: log-softmax,
+    optional top-k + tail buckets, and the generalized JSD with a logaddexp mixture."""
+    log_s, log_t = student.log_softmax(-1), teacher.log_softmax(-1)
+    if top_k is not None:
+        index = student.detach().topk(top_k, dim=-1).indices
+        outside = torch.ones_like(student, dtype=torch.bool).scatter(-1, index, False)
+        tails = [
+            torch.logsumexp(lp.masked_fill(~outside, float("-inf")), -1, keepdim=True)
+            for lp in (log_s, log_t)
+        ]
+        log_s = torch.cat([log_s.gather(-1, index), tails[0]], -1)
+        log_t = torch.cat([log_t.gather(-1, index), tails[1]], -1)
+    if beta == 0.0:
+        return (log_t.exp() * (log_t - log_s)).sum(-1)
+    if beta == 1.0:
+        return (log_s.exp() * (log_s - log_t)).sum(-1)
+    log_m = torch.logaddexp(log_t + math.log(beta), log_s + math.log(1 - beta))
+    kl_tm = (log_t.exp() * (log_t - log_m)).sum(-1)
+    kl_sm = (log_s.exp() * (log_s - log_m)).sum(-1)
+    return beta * kl_tm + (1 - beta) * kl_sm
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("top_k", [None, 4])
+@pytest.mark.parametrize("clip", [False, True])
+def test_closed_form_gradient_matches_autograd_of_the_formula(small_chunks, beta, top_k, clip):
+    gen = torch.Generator().manual_seed(3)
+    student = 2 * torch.randn(9, 17, generator=gen, dtype=torch.float64)
+    teacher = 2 * torch.randn(9, 17, generator=gen, dtype=torch.float64)
+    temperature, normalizer = 0.8, 12.0
+    # Per-row weights, so each row's gradient is checked (not only their sum).
+    weights = torch.rand(9, generator=gen, dtype=torch.float64) + 0.5
+
+    reference_in = student.clone().requires_grad_(True)
+    per_row = _plain_divergence(reference_in / temperature, teacher / temperature, beta, top_k)
+    # A cap halfway between two rows' values (no row sits on it), clipping 4 of the 9 rows.
+    ordered = per_row.detach().sort().values
+    token_clip = float(ordered[4] + ordered[5]) / 2 if clip else None
+    clipped = per_row.clamp(max=token_clip) if clip else per_row
+    (weights * clipped).sum().div(normalizer).backward()
+
+    ours_in = student.clone().requires_grad_(True)
+    cfg = SDPOLossConfig(beta=beta, top_k=top_k, token_clip=token_clip)
+    divergence, *_ = sdpo_module._GeneralizedJSD.apply(ours_in, teacher, beta, temperature, top_k)
+    ours_clipped = divergence.clamp(max=token_clip) if clip else divergence
+    (weights * ours_clipped).sum().div(normalizer).backward()
+
+    torch.testing.assert_close(divergence.detach(), per_row.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ours_in.grad, reference_in.grad, rtol=1e-9, atol=1e-12)
+    if clip:
+        assert (ours_in.grad.abs().sum(-1) == 0).sum() == 4  # rows above the clip get no gradient
+    # And through the public entry point (uniform weights).
+    rows_in = student.clone().requires_grad_(True)
+    loss, _ = sdpo_module.sdpo_loss_rows(rows_in, teacher, cfg, temperature, normalizer)
+    loss.backward()
+    reference_in.grad = None
+    _plain_divergence(reference_in / temperature, teacher / temperature, beta, top_k).clamp(
+        max=token_clip if clip else float("inf")
+    ).sum().div(normalizer).backward()
+    torch.testing.assert_close(rows_in.grad, reference_in.grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(("beta", "top_k"), [(0.0, None), (0.3, None), (1.0, 3), (0.3, 3)])
+def test_closed_form_gradient_passes_finite_differences(beta, top_k):
+    gen = torch.Generator().manual_seed(4)
+    student = torch.randn(4, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(4, 7, generator=gen, dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda s: sdpo_module._GeneralizedJSD.apply(s, teacher, beta, 0.9, top_k)[0], (student,)
+    )
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("top_k", [None, 20])
+def test_float32_path_agrees_with_float64(beta, top_k):
+    # Training runs the loss in float32 over a real-sized vocabulary: several CPU chunks.
+    gen = torch.Generator().manual_seed(5)
+    student = 3 * torch.randn(70, 4000, generator=gen, dtype=torch.float64)
+    teacher = student + torch.randn(70, 4000, generator=gen, dtype=torch.float64)
+    cfg = SDPOLossConfig(beta=beta, top_k=top_k)
+    results = []
+    for dtype in (torch.float64, torch.float32):
+        s = student.to(dtype, copy=True).requires_grad_(True)
+        loss, metrics = sdpo_module.sdpo_loss_rows(s, teacher.to(dtype), cfg, 1.0, 70)
+        loss.backward()
+        results.append((loss.double(), s.grad.double(), finalize_metrics(metrics)["sdpo/kl_teacher_student"]))
+    (loss64, grad64, kl64), (loss32, grad32, kl32) = results
+    torch.testing.assert_close(loss32, loss64, rtol=1e-5, atol=1e-6)
+    # float32 rounding, relative to the largest gradient entry (small entries lose relative digits).
+    torch.testing.assert_close(grad32, grad64, rtol=1e-4, atol=1e-5 * float(grad64.abs().max()))
+    assert kl32 == pytest.approx(kl64, rel=1e-4)
+
+
+@pytest.mark.parametrize("top_k", [None, 3])
+def test_kl_metric_is_the_full_vocabulary_forward_kl(top_k):
+    student_probs = [F(1, 10), F(1, 2), F(1, 10), F(3, 10)]
+    teacher_probs = [F(3, 10), F(1, 5), F(1, 10), F(2, 5)]
+    student = torch.tensor([logits_for(student_probs, 1.0)], dtype=torch.float64)
+    teacher = torch.tensor([logits_for(teacher_probs, 1.0)], dtype=torch.float64)
+    _, metrics = sdpo_module.sdpo_loss_rows(student, teacher, SDPOLossConfig(beta=0.5, top_k=top_k), 1.0, 1)
+    assert finalize_metrics(metrics)["sdpo/kl_teacher_student"] == pytest.approx(
+        kl(teacher_probs, student_probs),
+        rel=1e-6,  # metrics are reduced in float32
+    )
+
+
+def test_no_gradient_buffer_without_grad():
+    student = torch.randn(3, 5, requires_grad=True)
+    with torch.no_grad():
+        loss, _ = sdpo_module.sdpo_loss_rows(student, torch.randn(3, 5), SDPOLossConfig(), 1.0, 3)
+    assert not loss.requires_grad

@@ -96,7 +96,14 @@ def test_logits_at_target_positions_match_separate_forwards(tiny, wrap):
     mask[0, 6:9] = mask[0, 11:13] = mask[1, 9:11] = True
     policy = _NoKeep(tiny) if wrap else tiny
     teacher = TeacherModel(policy, SDPOLossConfig(teacher="live"))
-    got = teacher.logits(input_ids, position_ids, mask, temperature=0.5)
+    head_shapes = []
+    handle = tiny.lm_head.register_forward_hook(lambda m, i, out: head_shapes.append(tuple(out.shape)))
+    try:
+        got = teacher.logits(input_ids, position_ids, mask, temperature=0.5)
+    finally:
+        handle.remove()
+    # With an output head, it maps only the 7 predicting positions, not all 2 x 16.
+    assert head_shapes == [(2, 16, tiny.config.vocab_size) if wrap else (1, 7, tiny.config.vocab_size)]
     assert teacher.num_forwards == 1 and not got.requires_grad
     with torch.no_grad():
         expected = (

@@ -3,10 +3,11 @@
 Layout (the orchestrator and DiLoCo write their own parts next to the trainer's)::
 
     <root>/step_<N>/trainer/            this module's part
-        model_optim/                    model + optimizer, torch.distributed.checkpoint (DCP) format
+        model_optim/                    model + optimizer (+ extra ``states``, e.g. the SDPO teacher),
+                                        torch.distributed.checkpoint (DCP) format
         scheduler.pt                    LR scheduler state (identical on every rank)
         rng/rank_<R>.pt                 python / numpy / torch (/ cuda) RNG states of rank R
-        meta.json                       {"step", "world_size", "extra", ...}
+        meta.json                       {"step", "world_size", "extra", "states", ...}
     <root>/step_<N>/trainer.STABLE      written last: "the trainer part of step N is complete"
     <root>/step_<N>/orchestrator/ + orchestrator.STABLE, ...
 
@@ -107,15 +108,20 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         extra: dict[str, Any] | None = None,
+        states: dict[str, Any] | None = None,
     ) -> Path:
         """Write this part of ``step`` and mark it complete; then drop all but the newest ``keep``.
 
         ``extra`` is saved as JSON (e.g. data position, counters) and returned by ``load``; it must
-        be JSON-serializable. Returns the part's directory. Re-saving an existing step replaces it.
+        be JSON-serializable. ``states`` are more objects saved with DCP next to model and optimizer
+        (``Stateful``: ``state_dict()`` / ``load_state_dict()``, e.g. the SDPO teacher), by name; their
+        names go into ``meta.json`` so ``load`` can say when one is missing. Returns the part's
+        directory. Re-saving an existing step replaces it.
         """
         import torch.distributed.checkpoint as dcp
 
         extra = dict(extra or {})
+        states = _check_states(states)
         try:
             json.dumps(extra)
         except TypeError as e:
@@ -133,7 +139,9 @@ class CheckpointManager:
 
         with _quiet_single_process():
             dcp.save(
-                _dcp_state(model, optimizer), checkpoint_id=str(tmp / MODEL_OPTIM_DIR), no_dist=_no_dist()
+                _dcp_state(model, optimizer) | states,
+                checkpoint_id=str(tmp / MODEL_OPTIM_DIR),
+                no_dist=_no_dist(),
             )
         _save_file(_rng_state(), tmp / RNG_DIR / f"rank_{self.world.rank}.pt")
         if self.world.is_main:
@@ -146,6 +154,7 @@ class CheckpointManager:
                 "torch": torch.__version__,
                 "time": time.time(),
                 "extra": extra,
+                "states": sorted(states),
             }
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         self.world.barrier()  # every rank's files are written (DCP fsyncs its own)
@@ -214,9 +223,11 @@ class CheckpointManager:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
+        states: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Restore model, optimizer, scheduler and this rank's RNG from ``step`` (``None``: the
-        newest complete one) and return the ``extra`` dict given to ``save``.
+        """Restore model, optimizer, scheduler, ``states`` (by the names given to ``save``) and this
+        rank's RNG from ``step`` (``None``: the newest complete one) and return the ``extra`` dict
+        given to ``save``. A requested state the checkpoint lacks is a ``ValueError``.
 
         ``model`` and ``optimizer`` must be built (and sharded) the same way as when saving; the
         number of ranks may differ (DCP reshards). Use ``resolve_step`` to learn the step first.
@@ -226,14 +237,22 @@ class CheckpointManager:
 
         step = self.resolve_step(step)
         directory = step_dir(self.root, step) / self.part
-        state = _dcp_state(model, optimizer)
+        meta = json.loads((directory / META_FILE).read_text())
+        states = _check_states(states)
+        missing = sorted(set(states) - set(meta.get("states", [])))
+        if missing:
+            raise ValueError(
+                f"the {self.part} checkpoint of step {step} ({directory}) has no {missing} state: it was saved "
+                "by a run configured without it (e.g. loss.sdpo.weight = 0 or loss.sdpo.teacher = 'live'); "
+                "resume with the settings it was saved with"
+            )
+        state = _dcp_state(model, optimizer) | states
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(directory / MODEL_OPTIM_DIR), no_dist=_no_dist())
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, weights_only=True))
 
-        meta = json.loads((directory / META_FILE).read_text())
         rng_file = directory / RNG_DIR / f"rank_{self.world.rank}.pt"
         if rng_file.is_file():
             _set_rng_state(torch.load(rng_file, weights_only=True))
@@ -247,6 +266,14 @@ class CheckpointManager:
             )
         logger.info("loaded %s checkpoint of step %d from %s", self.part, step, directory)
         return meta["extra"]
+
+
+def _check_states(states: dict[str, Any] | None) -> dict[str, Any]:
+    states = dict(states or {})
+    clash = sorted(set(states) & {"model", "optimizer"})
+    if clash:
+        raise ValueError(f"checkpoint states may not be named {clash}: those hold the model and optimizer")
+    return states
 
 
 def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

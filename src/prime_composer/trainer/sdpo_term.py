@@ -8,7 +8,7 @@ never built: no teacher forward, no extra collective). Per micro-batch it
    the ``[N, V]`` logits at the target tokens;
 2. takes the student's logits at ``sdpo_mask`` (the k-th True of ``sdpo_mask`` and the k-th True of
    ``teacher_target_mask`` are the same token, see ``transport/batch.py``);
-3. returns ``sdpo_loss`` normalized by the step's global number of SDPO tokens.
+3. returns ``sdpo_loss_rows`` normalized by the step's global number of SDPO tokens.
 
 Collectives: the normalizer is all-reduced over ranks, and so is the list of micro-batches that
 need a teacher forward. Under FSDP the teacher forward all-gathers parameters, so a rank whose
@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from prime_composer.config.loss import SDPOLossConfig
-from prime_composer.trainer.losses.aggregate import metric_pair, token_normalizer
-from prime_composer.trainer.losses.sdpo import sdpo_loss
+from prime_composer.trainer.losses.aggregate import token_normalizer
+from prime_composer.trainer.losses.sdpo import sdpo_loss_rows
 from prime_composer.trainer.teacher import TeacherModel
 from prime_composer.transport.batch import MicroBatch
 
@@ -60,7 +60,9 @@ class SDPOTerm:
         """The micro-batch's share of the SDPO loss (not yet multiplied by the weight).
 
         ``student_logits`` are the student's ``[R, T, V]`` temperature-scaled logits aligned with the
-        tokens (``packed_token_logprobs(..., return_logits=True)``).
+        tokens (``packed_token_logprobs(..., return_logits=True)``). Metrics include
+        ``sdpo/kl_teacher_student``, KL(P_teacher || P_student) over the whole vocabulary whatever
+        ``beta`` and ``top_k`` (the loss computes it in the same pass).
         """
         student = student_logits[mb.sdpo_mask.to(student_logits.device)]  # type: ignore[union-attr]
         if student.shape[0] != teacher_logits.shape[0]:
@@ -68,28 +70,5 @@ class SDPOTerm:
                 f"SDPO: {student.shape[0]} student target tokens but {teacher_logits.shape[0]} teacher ones "
                 "(sdpo_mask and teacher_target_mask must align one to one)"
             )
-        everything = torch.ones(student.shape[0], dtype=torch.bool, device=student.device)
         # Both sides are already divided by the sampling temperature.
-        loss, metrics = sdpo_loss(student, teacher_logits, everything, self.cfg, 1.0, self.normalizer)
-        if self.cfg.beta == 0.0 and self.cfg.top_k is None and self.cfg.token_clip is None:
-            metrics["sdpo/kl_teacher_student"] = metrics["sdpo/divergence"]  # the loss is this KL
-        else:
-            metrics["sdpo/kl_teacher_student"] = _kl_metric(teacher_logits, student.detach())
-        return loss, metrics
-
-
-_KL_CHUNK_ELEMENTS = 1 << 24
-"""fp32 elements per row chunk of the KL metric (bounds its temporaries like the loss's)."""
-
-
-@torch.no_grad()
-def _kl_metric(teacher_logits: Tensor, student_logits: Tensor) -> Tensor:
-    """``[sum, count]`` of KL(P_teacher || P_student) over the rows of two ``[N, V]`` logit tensors."""
-    total = torch.zeros((), dtype=torch.float32, device=teacher_logits.device)
-    step = max(1, _KL_CHUNK_ELEMENTS // max(1, teacher_logits.shape[-1]))
-    for start in range(0, teacher_logits.shape[0], step):
-        # Floor -inf (masked vocab entries) so 0 * (-inf - -inf) cannot give NaN.
-        log_t = teacher_logits[start : start + step].float().log_softmax(-1).clamp(min=-1e30)
-        log_s = student_logits[start : start + step].float().log_softmax(-1).clamp(min=-1e30)
-        total += (log_t.exp() * (log_t - log_s)).sum()
-    return metric_pair(total, teacher_logits.shape[0])
+        return sdpo_loss_rows(student, teacher_logits, self.cfg, 1.0, self.normalizer)

@@ -14,17 +14,31 @@ Copies are sharded like the policy: on one process a ``deepcopy``; under FSDP2 t
 copied in. The EMA update then works on each rank's local shards only, no gather: both modules
 have the same parameters in the same order with the same sharding.
 
-Teacher logits are taken only where needed: ``logits`` asks the model for the positions that
-predict target tokens (``logits_to_keep``, when the model accepts it) instead of a full
-``[R, T, V]`` tensor. It runs under ``no_grad`` rather than ``inference_mode``: the result is used
-next to the student's graph in the loss, which inference tensors may not be.
+EMA precision: when the copy's parameters are bf16/fp16, the average itself is kept in an fp32
+master copy and the module's weights are refreshed from it after every update. In bf16 (8-bit
+mantissa) ``(1 - rate) * (p_s - p_t)`` is usually below half a unit in the last place of ``p_t`` at
+``rate = 0.99``, so a bf16 average would round every step away and stall. Cost: 4 bytes per
+(local) parameter on top of the copy; under FSDP mixed precision the parameters are already fp32
+and there is no master.
+
+Checkpoints: ``state_dict`` / ``load_state_dict`` (torch.distributed.checkpoint's ``Stateful``)
+hold the kind and, for ``ema`` and ``frozen``, the weights (the fp32 master where there is one,
+DTensor shards under FSDP), so a resumed run continues with the same teacher: the EMA where it
+was, the frozen teacher still the run's *initial* policy (not the resumed one).
+
+Teacher logits are taken only where needed: a forward pre-hook on the model's output head
+(``get_output_embeddings()``) hands it only the hidden states of the N positions that predict
+target tokens, so the head produces ``[N, V]`` instead of ``[R, T, V]``; whatever the model does
+after the head (soft-capping, scaling) still applies. A module without an output head gets the
+full logits, then the rows are picked. It runs under ``no_grad`` rather than ``inference_mode``:
+the result is used next to the student's graph in the loss, which inference tensors may not be.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -53,6 +67,9 @@ class TeacherModel:
         self.rate = cfg.ema_rate
         self.num_forwards = 0
         """Teacher forwards run so far (tests check that ``weight = 0`` runs none)."""
+        self.master: dict[str, Tensor] = {}
+        """fp32 EMA of the parameters and floating buffers stored in bf16/fp16 (DTensors under
+        FSDP, like the module's), by name; empty when the module is fp32 or the kind is not ema."""
         if self.kind == "live":
             self.module = policy
             return
@@ -63,15 +80,23 @@ class TeacherModel:
             self._copy_from(policy)
         self.module.requires_grad_(False)
         self.module.eval()
+        if self.kind == "ema":
+            self.master = {
+                name: tensor.detach().to(torch.float32, copy=True)
+                for name, tensor in self._tensors(self.module).items()
+                if torch.finfo(tensor.dtype).bits < 32
+            }
 
-    def _pairs(self, policy: nn.Module) -> list[tuple[Tensor, Tensor]]:
-        """(teacher, policy) local tensors of every parameter and floating buffer, matched by name."""
-        mine = dict(self.module.named_parameters()) | {
-            k: b for k, b in self.module.named_buffers() if b.is_floating_point()
+    @staticmethod
+    def _tensors(module: nn.Module) -> dict[str, Tensor]:
+        """Every parameter and floating buffer of ``module`` by name (what the teacher copies)."""
+        return dict(module.named_parameters()) | {
+            k: b for k, b in module.named_buffers() if b.is_floating_point()
         }
-        theirs = dict(policy.named_parameters()) | {
-            k: b for k, b in policy.named_buffers() if b.is_floating_point()
-        }
+
+    def _pairs(self, policy: nn.Module) -> list[tuple[str, Tensor, Tensor]]:
+        """(name, teacher, policy) local tensors of every parameter and floating buffer."""
+        mine, theirs = self._tensors(self.module), self._tensors(policy)
         if mine.keys() != theirs.keys():
             missing = sorted(mine.keys() ^ theirs.keys())[:5]
             raise ValueError(f"SDPO teacher and policy have different parameters (e.g. {missing})")
@@ -83,12 +108,12 @@ class TeacherModel:
                     f"SDPO teacher parameter {name} has local shape {tuple(t_local.shape)} but the policy's is "
                     f"{tuple(p_local.shape)}: the teacher copy must be sharded like the policy"
                 )
-            pairs.append((t_local, p_local))
+            pairs.append((name, t_local, p_local))
         return pairs
 
     @torch.no_grad()
     def _copy_from(self, policy: nn.Module) -> None:
-        for t, p in self._pairs(policy):
+        for _, t, p in self._pairs(policy):
             t.copy_(p)
 
     @torch.no_grad()
@@ -96,9 +121,48 @@ class TeacherModel:
         """After an optimizer step: the EMA moves toward the policy; live and frozen do nothing."""
         if self.kind != "ema":
             return
-        for t, p in self._pairs(policy):
-            # p_t <- rate * p_t + (1 - rate) * p_s, computed in float32 then stored in p_t's dtype.
-            t.copy_(torch.lerp(t.float(), p.float(), 1.0 - self.rate).to(t.dtype))
+        for name, t, p in self._pairs(policy):
+            master = self.master.get(name)
+            average = _local(master) if master is not None else t
+            # p_t <- rate * p_t + (1 - rate) * p_s, in the average's precision (fp32 at least).
+            average.lerp_(p.to(average.dtype), 1.0 - self.rate)
+            if master is not None:
+                t.copy_(average)
+
+    def state_dict(self) -> dict[str, Any]:
+        """For checkpoints: ``{"kind", "weights"}``; the weights (``ema``: the fp32 master where there
+        is one) are the live tensors, so ``torch.distributed.checkpoint.load`` fills them in place.
+        ``live`` has no weights of its own."""
+        if self.kind == "live":
+            return {"kind": self.kind}
+        weights = {
+            name: self.master.get(name, tensor).detach()
+            for name, tensor in self._tensors(self.module).items()
+        }
+        return {"kind": self.kind, "weights": weights}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (after ``torch.distributed.checkpoint.load`` filled it,
+        or a plain dict of the same layout)."""
+        if state.get("kind") != self.kind:
+            raise ValueError(
+                f"the checkpoint's SDPO teacher is {state.get('kind')!r} but loss.sdpo.teacher is "
+                f"{self.kind!r}: resume with the teacher the run was saved with"
+            )
+        if self.kind == "live":
+            return
+        mine = self.state_dict()["weights"]
+        if state["weights"].keys() != mine.keys():
+            missing = sorted(state["weights"].keys() ^ mine.keys())[:5]
+            raise ValueError(f"the checkpoint's SDPO teacher has different parameters (e.g. {missing})")
+        for name, tensor in mine.items():
+            if state["weights"][name] is not tensor:
+                tensor.copy_(state["weights"][name])
+        # The module's low-precision weights follow their fp32 master.
+        tensors = self._tensors(self.module)
+        for name, master in self.master.items():
+            _local(tensors[name].detach()).copy_(_local(master))
 
     @torch.no_grad()
     def logits(
@@ -125,18 +189,34 @@ class TeacherModel:
         predicting = torch.zeros_like(target_mask)
         predicting[:, :-1] = target_mask[:, 1:]  # the position before each target predicts it
         rows, cols = predicting.nonzero(as_tuple=True)  # row-major, like the student's mask
-        kwargs = {}
-        keep = torch.unique(cols)
-        if _accepts_logits_to_keep(self.module):
-            kwargs["logits_to_keep"] = keep
+        head = _output_head(self.module)
+        if head is None:
+            logits = self.module(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+            picked = logits[rows, cols]
         else:
-            keep = torch.arange(input_ids.shape[1], device=device)
-        logits = self.module(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs).logits
-        slot = torch.full((input_ids.shape[1],), -1, dtype=torch.long, device=device)
-        slot[keep] = torch.arange(keep.numel(), device=device)
-        picked = logits[rows, slot[cols]].float()
+
+            def only_targets(_: nn.Module, args: tuple[Any, ...]) -> tuple[Tensor]:
+                hidden = args[0] if len(args) == 1 else None
+                if hidden is None or tuple(hidden.shape[:2]) != tuple(input_ids.shape):
+                    raise RuntimeError(
+                        f"SDPO teacher: expected the output head of {type(self.module).__name__} to get "
+                        f"one [R, T, H] hidden-state tensor for [R, T] = {tuple(input_ids.shape)}, got "
+                        f"{[tuple(a.shape) for a in args if isinstance(a, Tensor)]}"
+                    )
+                return (hidden[rows, cols][None],)
+
+            handle = head.register_forward_pre_hook(only_targets)
+            try:
+                logits = self.module(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+            finally:
+                handle.remove()
+            picked = logits[0]
+        picked = picked.float()
         return picked / temperature if temperature != 1.0 else picked
 
 
-def _accepts_logits_to_keep(module: nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(module.forward).parameters
+def _output_head(module: nn.Module) -> nn.Module | None:
+    """The module mapping hidden states to logits (a Hugging Face model's ``lm_head``), if known."""
+    get = getattr(module, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Module) else None

@@ -159,7 +159,7 @@ class Trainer:
 
     def resume(self) -> None:
         step = resume_step(self.config.output_dir / "checkpoints", self.config.ckpt.resume_step)
-        self.ckpt.load(step, self.model, self.optimizer, self.scheduler)
+        self.ckpt.load(step, self.model, self.optimizer, self.scheduler, states=self._checkpoint_states())
         self.start_step = step
         logger.info("resumed from the checkpoint of step %d", step)
         # The inference server restarts on the base weights: republish the resumed ones.
@@ -179,7 +179,14 @@ class Trainer:
             shutil.rmtree(self.broadcast_root / f"step_{step}", ignore_errors=True)
 
     def save_checkpoint(self, step: int) -> None:
-        self.ckpt.save(step, self.model, self.optimizer, self.scheduler)
+        self.ckpt.save(step, self.model, self.optimizer, self.scheduler, states=self._checkpoint_states())
+
+    def _checkpoint_states(self) -> dict[str, Any]:
+        """State saved beside model and optimizer: the SDPO teacher's weights when it has its own
+        (``ema``, ``frozen``); a ``live`` teacher is the policy."""
+        if self.teacher is None or self.teacher.kind == "live":
+            return {}
+        return {"sdpo_teacher": self.teacher}
 
     def run(self) -> None:
         config = self.config
