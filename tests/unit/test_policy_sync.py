@@ -92,7 +92,7 @@ def test_refused_update_is_an_error(tmp_path: Path) -> None:
     publish(tmp_path, 1)
     try:
         sync = PolicySync(tmp_path, fake.url, poll_s=0.01, timeout_s=1)
-        with pytest.raises(WeightSyncError, match="HTTP 403"):
+        with pytest.raises(WeightSyncError, match="http_403"):
             asyncio.run(sync.ensure(1))
     finally:
         fake.httpd.shutdown()

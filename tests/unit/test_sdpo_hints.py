@@ -324,14 +324,17 @@ def test_llm_failure_is_counted_and_the_next_source_is_used(tok, fake_openai):
     url, _ = fake_openai
     s = single(tok, "8", 0.0)
     t = single(tok, "9", 0.0)
-    llm = {"base_url": f"{url}/broken/v1", "model": "hinter", "timeout_s": 5}
+    llm = {"base_url": f"{url}/broken/v1", "model": "hinter", "retry": {"max_retries": 1, "backoff_s": 0}}
     stats = build(tok, [s, t], sources=["llm", "template"], llm=llm)
     assert s.info["hint_source"] == "template" and t.info["hint_source"] == "template"
     assert stats.num_llm_errors == 2 and stats.metrics(["llm", "template"])["sdpo/llm_errors"] == 2
     # Nothing listening at all: still no crash.
     u = single(tok, "8", 0.0)
     stats = build(
-        tok, [u], sources=["llm"], llm={"base_url": "http://127.0.0.1:9/v1", "model": "m", "timeout_s": 2}
+        tok,
+        [u],
+        sources=["llm"],
+        llm={"base_url": "http://127.0.0.1:9/v1", "model": "m", "retry": {"timeout_s": 2, "max_retries": 0}},
     )
     assert u.sdpo_span is None and stats.num_llm_errors == 1 and stats.skipped["no_hint"] == 1
 

@@ -14,6 +14,7 @@ from typing import Any, Literal, Self
 from pydantic import Field, model_validator
 
 from prime_composer.config.base import BaseConfig
+from prime_composer.config.client import RetryConfig
 
 HintSource = Literal["sibling", "feedback", "template", "llm"]
 
@@ -45,9 +46,9 @@ class LLMHintConfig(BaseConfig):
     temperature: float = Field(default=0.0, ge=0.0)
     """Sampling temperature of the hint request."""
 
-    timeout_s: float = Field(default=60.0, gt=0)
-    """Per-request time limit; a request that runs over gives no hint from this source (counted in
-    ``sdpo/llm_errors``), never a crash."""
+    retry: RetryConfig = RetryConfig()
+    """Time limit and retries of each hint request; a request that still fails gives no hint from
+    this source (counted in ``sdpo/llm_errors``), never a crash."""
 
     max_concurrent: int = Field(default=8, ge=1)
     """Hint requests in flight at once."""

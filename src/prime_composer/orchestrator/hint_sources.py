@@ -17,18 +17,15 @@ What environments can put on ``Sample.info`` for these sources:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import os
 import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from prime_composer.client.http import EndpointClient, read_api_key, redact_url
 from prime_composer.config.sdpo import LLMHintConfig
 from prime_composer.orchestrator.sample import Sample
 
@@ -189,17 +186,12 @@ class LLMHints:
     def __init__(self, cfg: LLMHintConfig) -> None:
         assert cfg.base_url is not None and cfg.model is not None  # enforced by HintConfig
         self.cfg = cfg
-        headers = {}
-        if cfg.api_key_env is not None:
-            key = os.environ.get(cfg.api_key_env)
-            if not key:
-                raise ValueError(
-                    f"orchestrator.sdpo.llm.api_key_env names {cfg.api_key_env!r}, which is not set: export "
-                    "it or set api_key_env to None for an endpoint without a key"
-                )
-            headers["Authorization"] = f"Bearer {key}"
-        self._headers = headers
-        self._semaphore = asyncio.Semaphore(cfg.max_concurrent)
+        self.client = EndpointClient(
+            cfg.base_url,
+            retry=cfg.retry,
+            api_key=read_api_key(cfg.api_key_env, "orchestrator.sdpo.llm.api_key_env"),
+            max_concurrency=cfg.max_concurrent,
+        )
         self.num_errors = 0
         self.last_error: str | None = None
 
@@ -212,27 +204,22 @@ class LLMHints:
             ],
             "max_tokens": self.cfg.max_tokens,
             "temperature": self.cfg.temperature,
-            "stream": False,
             **self.cfg.extra_body,
         }
 
     async def hint(self, request: HintRequest) -> str | None:
-        url = f"{self.cfg.base_url.rstrip('/')}/chat/completions"  # type: ignore[union-attr]
-        async with self._semaphore:
-            try:
-                async with httpx.AsyncClient(timeout=self.cfg.timeout_s) as client:
-                    response = await client.post(url, json=self.request_body(request), headers=self._headers)
-                if response.status_code != 200:
-                    raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-                content = response.json()["choices"][0]["message"]["content"]
-                if not isinstance(content, str) or not content.strip():
-                    raise RuntimeError("empty hint")
-                return content.strip()
-            except Exception as e:  # a failed teacher call is data, not a crash
-                self.num_errors += 1
-                self.last_error = f"{type(e).__name__}: {e}"
-                logger.warning("LLM hint request to %s failed: %s", url, self.last_error)
-                return None
+        result = await self.client.chat_completion(self.request_body(request))
+        content = result.data["choices"][0]["message"].get("content") if result.ok else None
+        if isinstance(content, str) and content.strip():
+            return content.strip()
+        # A failed teacher call is data, not a crash.
+        self.num_errors += 1
+        self.last_error = result.error or "empty hint"
+        logger.warning("LLM hint request to %s failed: %s", redact_url(self.client.base_url), self.last_error)
+        return None
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
 
 
 def describe_trace(request: HintRequest) -> str:

@@ -16,8 +16,8 @@ import os
 import time
 from pathlib import Path
 
-import httpx
-
+from prime_composer.client.http import EndpointClient
+from prime_composer.config.client import RetryConfig
 from prime_composer.transport.weights import latest_stable
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,11 @@ class PolicySync:
                 f"orchestrator.inference_secret_env = {secret_env!r} but that environment variable is "
                 f"empty; export it with the inference server's secret"
             )
-        self._headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+        # Loading a large model can take minutes: one attempt may run 10 min; a refused connection
+        # (the server restarting) is retried, a refusal (4xx) is final.
+        self._client = EndpointClient(
+            self.server_url, retry=RetryConfig(timeout_s=600.0, max_retries=3), api_key=secret
+        )
 
     async def ensure(self, min_step: int) -> int:
         """Return once the server runs weights of step ``>= min_step``; loads newer ones on the way.
@@ -73,13 +77,13 @@ class PolicySync:
             await asyncio.sleep(self.poll_s)
 
     async def _load(self, step: int, path: Path) -> None:
-        async with httpx.AsyncClient(timeout=600) as client:
-            response = await client.post(
-                f"{self.server_url}/update_weights", json={"path": str(path.resolve())}, headers=self._headers
-            )
-        if response.status_code != 200:
+        result = await self._client.post_json("/update_weights", {"path": str(path.resolve())})
+        if not result.ok:
             raise WeightSyncError(
-                f"inference server refused weights {path} (HTTP {response.status_code}): {response.text[:500]}"
+                f"inference server refused weights {path} after {result.attempts} attempt(s): {result.error}"
             )
         logger.info("inference server now runs weights of step %d", step)
         self.loaded_step = step
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
