@@ -118,10 +118,11 @@ def test_logits_are_aligned_with_tokens(model_path: str) -> None:
 def surrogate_grads(model: torch.nn.Module, rank_batches: list[list[MicroBatch]]) -> dict[str, torch.Tensor]:
     """Sum over ranks (what an all-reduce does) of the accumulated grads of a token-mean loss."""
     model.zero_grad()
+    num_loss_tokens = sum(int(mb.loss_mask.sum()) for micro_batches in rank_batches for mb in micro_batches)
     for micro_batches in rank_batches:
         for mb in micro_batches:
             logprobs, _ = packed_token_logprobs(model, mb, 1.0)
-            loss = -(mb.advantages * logprobs * mb.loss_mask).sum() / mb.num_loss_tokens
+            loss = -(mb.advantages * logprobs * mb.loss_mask).sum() / num_loss_tokens
             loss.backward()
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 

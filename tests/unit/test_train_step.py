@@ -12,9 +12,10 @@ from prime_composer.config.base import ModelConfig
 from prime_composer.config.loss import LossConfig
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.sample import Sample
-from prime_composer.trainer.forward import packed_token_logprobs
+from prime_composer.trainer.forward import forward_micro_batch
+from prime_composer.trainer.losses.base import TermContext, build_terms
 from prime_composer.trainer.model import load_model
-from prime_composer.trainer.train import train_step
+from prime_composer.trainer.step import train_step
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,8 @@ def grads_after_step(
     (micro_batches,), _ = pack_step(
         batch, seq_len=16, micro_batch_size=micro_batch_size, num_ranks=1, pad_token_id=0
     )
-    loss, _, _ = train_step(fresh, micro_batches, LossConfig(), torch.device("cpu"))
+    terms = build_terms(LossConfig(), TermContext(fresh))
+    loss = train_step(fresh, micro_batches, terms, torch.device("cpu")).loss
     return loss.item(), {n: p.grad.clone() for n, p in fresh.named_parameters() if p.grad is not None}
 
 
@@ -86,6 +88,6 @@ def test_on_policy_loss_is_minus_mean_token_advantage(model: torch.nn.Module) ->
     # And the packed forward really reproduces the per-sample logprobs (ratio 1).
     (micro_batches,), _ = pack_step(batch, seq_len=16, micro_batch_size=8, num_ranks=1, pad_token_id=0)
     with torch.no_grad():
-        logprobs, _ = packed_token_logprobs(model, micro_batches[0], 1.0)
+        logprobs = forward_micro_batch(model, micro_batches[0]).logprobs
     mb = micro_batches[0]
     torch.testing.assert_close(logprobs[mb.loss_mask], mb.inference_logprobs[mb.loss_mask], atol=1e-5, rtol=0)

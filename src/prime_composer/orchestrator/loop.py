@@ -34,11 +34,12 @@ from prime_composer.config.orchestrator import OrchestratorConfig
 from prime_composer.metrics import MetricsLogger
 from prime_composer.orchestrator.advantages import compute_advantages, filter_zero_variance
 from prime_composer.orchestrator.envs import LoadedEnv
-from prime_composer.orchestrator.hints import HintBuilder
-from prime_composer.orchestrator.packing import pack_step
+from prime_composer.orchestrator.packing import GroupPacker, pack_step
 from prime_composer.orchestrator.policy import PolicySync
 from prime_composer.orchestrator.rollout import RolloutRunner
 from prime_composer.orchestrator.sample import Sample
+from prime_composer.orchestrator.sdpo.hints import HintBuilder
+from prime_composer.orchestrator.sdpo.packing import SDPOPacker
 from prime_composer.orchestrator.state import OrchestratorState, choose_env, task_index
 from prime_composer.transport.factory import make_sender
 
@@ -78,6 +79,7 @@ class Orchestrator:
         if config.sdpo.enabled and hints is None:
             raise ValueError("orchestrator.sdpo.enabled needs a HintBuilder (orchestrator/main.py makes one)")
         self.hints = hints
+        self.packers: list[GroupPacker] = [SDPOPacker()] if hints is not None else []
         self.num_groups = config.batch_size // config.group_size
         self.ckpt_root = config.output_dir / "checkpoints"
         self.state = OrchestratorState(env_draws=[0] * len(envs))
@@ -141,21 +143,11 @@ class Orchestrator:
                         config.num_train_ranks,
                         self.pad_token_id,
                         temperature=config.sampling.temperature,
+                        packers=self.packers,
                     )
                     sender.send(step, rank_batches)
                     metrics.update(self._step_metrics(step, policy_step, rollouts))
-                    metrics.update(
-                        {
-                            "pack/fill_ratio": stats.fill_ratio,
-                            "pack/num_rows": stats.num_rows,
-                            "pack/truncated": len(stats.truncated_sample_ids),
-                            "pack/dropped": len(stats.dropped_sample_ids),
-                        }
-                    )
-                    if self.hints is not None:
-                        metrics["sdpo/packed_samples"] = stats.num_sdpo_samples
-                        metrics["sdpo/teacher_rows"] = stats.num_teacher_rows
-                        metrics["sdpo/pack_dropped"] = len(stats.sdpo_dropped_sample_ids)
+                    metrics.update(stats.metrics())
                     self.metrics.log(step, metrics)
                     logger.info(
                         "step %d: reward %.3f, %d samples, policy lag %d",

@@ -34,7 +34,7 @@ def run(config: OrchestratorConfig) -> int:
         raise ConfigError(str(e)) from None
     hints = None
     if config.sdpo.enabled:
-        from prime_composer.orchestrator.hints import HintBuilder
+        from prime_composer.orchestrator.sdpo.hints import HintBuilder
 
         try:
             hints = HintBuilder(

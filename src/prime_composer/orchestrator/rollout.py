@@ -256,7 +256,7 @@ def _trace_metrics(trace: vf.Trace) -> dict[str, float]:
 
 ENV_INFO_KEYS = ("feedback", "error_turn", "error_kind")
 """Keys an environment may set on ``trace.info`` for SDPO's hint sources (see
-``orchestrator/hint_sources.py``); they are copied to ``Sample.info`` as they are."""
+``orchestrator/sdpo/sources.py``); they are copied to ``Sample.info`` as they are."""
 
 
 def _trace_info(trace: vf.Trace, env_label: str) -> dict[str, Any]:

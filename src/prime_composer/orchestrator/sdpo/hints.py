@@ -7,13 +7,13 @@ For each step's kept samples (``HintBuilder.apply``):
 2. **target turn**: ``info["error_turn"]``, else the turn the environment's feedback is about, else
    the last assistant turn (a single-turn rollout: the whole completion). The target span is that
    turn's policy tokens in ``completion_ids``; tool and environment tokens are never in it.
-3. **hint**: the configured sources in order (``hint_sources``): sibling success, environment
+3. **hint**: the configured sources in order (``sources``): sibling success, environment
    feedback, template, LLM. The text is wrapped by ``hint_format`` and cut to ``max_hint_tokens``.
 4. **teacher context**: the messages before the target turn with the hint inserted, rendered with
-   the same chat template (``hint_render``), after checking that the same messages without the hint
+   the same chat template (``render``), after checking that the same messages without the hint
    reproduce the student's tokens; cut in the middle to fit ``seq_len`` with the target span.
 
-The result is written on the sample: ``Sample.set_sdpo_target(span, teacher_prefix_ids)`` and
+The result is written on the sample: ``Sample.set_sdpo_target(span, teacher_prefix_ids)`` (``Sample.sdpo``) and
 ``info["hint_source"]``, ``info["hint"]``. Packing then puts the student span in ``sdpo_mask`` and
 ``teacher_prefix_ids + completion_ids[start:end]`` in the micro-batch's teacher rows.
 
@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prime_composer.config.sdpo import HintConfig
-from prime_composer.orchestrator import hint_render
-from prime_composer.orchestrator.hint_sources import (
+from prime_composer.orchestrator.sample import Sample
+from prime_composer.orchestrator.sdpo import render
+from prime_composer.orchestrator.sdpo.sources import (
     HintRequest,
     LLMHints,
     TemplateHints,
@@ -44,7 +45,6 @@ from prime_composer.orchestrator.hint_sources import (
     sibling_hint,
     strip_thinking,
 )
-from prime_composer.orchestrator.sample import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class HintBuilder:
         """Set SDPO targets on ``samples`` in place (any earlier targets are cleared)."""
         stats = HintStats(num_samples=len(samples))
         for s in samples:
-            s.sdpo_span = s.teacher_prefix_ids = None
+            s.sdpo = None
             for key in ("hint_source", "hint", "hint_template"):
                 s.info.pop(key, None)
         groups: dict[int, list[Sample]] = defaultdict(list)
@@ -174,7 +174,7 @@ class HintBuilder:
         out = {}
         for s in samples:
             if s.error is None and s.reward >= self.success_threshold:
-                turns = hint_render.assistant_turns(s.completion_mask)
+                turns = render.assistant_turns(s.completion_mask)
                 if turns:
                     start, end = turns[-1]
                     text = self.tokenizer.decode(s.completion_ids[start:end], skip_special_tokens=True)
@@ -184,10 +184,10 @@ class HintBuilder:
     async def _build(self, sample: Sample, group: list[Sample], replies: dict[int, str]) -> _Built | str:
         """The sample's target, or the reason it gets none."""
         cfg = self.cfg
-        turns = hint_render.assistant_turns(sample.completion_mask)
+        turns = render.assistant_turns(sample.completion_mask)
         if not turns:
             return "no_policy_tokens"
-        messages = hint_render.text_messages(sample.info.get("messages") or [])
+        messages = render.text_messages(sample.info.get("messages") or [])
         if not messages:
             return "no_messages"
         feedback = parse_feedback(sample.info.get("feedback"))
@@ -201,11 +201,11 @@ class HintBuilder:
         end = min(end, self.seq_len - len(sample.prompt_ids))
         if end <= start:
             return "student_truncated"
-        context = hint_render.turn_context(messages, turn)
+        context = render.turn_context(messages, turn)
         if context is None:
             return "messages_mismatch"
         student_context = sample.prompt_ids + sample.completion_ids[:start]
-        if hint_render.render_ids(self.tokenizer, context, self.template_kwargs) != student_context:
+        if render.render_ids(self.tokenizer, context, self.template_kwargs) != student_context:
             return "render_mismatch"
 
         turn_feedback = feedback_for_turn(feedback, turn, len(turns))
@@ -225,11 +225,9 @@ class HintBuilder:
         source, text, detail = found
         hint = self._cut(cfg.hint_format.replace("{hint}", text))
 
-        prefix = hint_render.render_ids(
-            self.tokenizer, hint_render.with_hint(context, hint, cfg), self.template_kwargs
-        )
-        task_ids = hint_render.task_statement_ids(self.tokenizer, context, self.template_kwargs)
-        fitted = hint_render.fit_teacher(prefix, student_context, task_ids, end - start, self.seq_len)
+        prefix = render.render_ids(self.tokenizer, render.with_hint(context, hint, cfg), self.template_kwargs)
+        task_ids = render.task_statement_ids(self.tokenizer, context, self.template_kwargs)
+        fitted = render.fit_teacher(prefix, student_context, task_ids, end - start, self.seq_len)
         if fitted is None:
             return "teacher_too_long"
         teacher_prefix, span_len = fitted
