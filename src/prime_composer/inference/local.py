@@ -40,11 +40,15 @@ def running_app(app: Any, startup_timeout_s: float = 300.0) -> Iterator[str]:
     """
     import uvicorn
 
+    from prime_composer.inference.server import KEEP_ALIVE_S
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=KEEP_ALIVE_S)
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="hf-uvicorn")
     thread.start()
     deadline = time.monotonic() + startup_timeout_s

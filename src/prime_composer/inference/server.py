@@ -50,6 +50,12 @@ _ERROR_TYPES = {
 }
 
 
+KEEP_ALIVE_S = 75
+"""Seconds an idle client connection stays open. Longer than httpx's pool expiry (5 s): with
+uvicorn's default of 5 s the server closes idle connections just as clients reuse them, and an
+unlucky request fails with a connection error (a lost rollout, seen between slow trainer steps)."""
+
+
 def broadcast_root(config: InferenceConfig) -> Path:
     """The only directory weight updates are read from."""
     return Path(config.output_dir) / "broadcasts"
@@ -225,4 +231,4 @@ def serve(config: InferenceConfig) -> None:
     logger.info(
         "serving %s on http://%s:%d (pid %d)", config.model.name, config.host, config.port, os.getpid()
     )
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info")
+    uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_keep_alive=KEEP_ALIVE_S)

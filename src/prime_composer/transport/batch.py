@@ -140,6 +140,10 @@ class MicroBatch:
                 )
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise BatchFormatError(f"MicroBatch.temperature must be finite and > 0, got {self.temperature}")
+        if bool((self.loss_mask & (self.position_ids == 0)).any()):
+            raise BatchFormatError(
+                "MicroBatch.loss_mask marks the first token of a sample, which nothing predicts"
+            )
         for name in ("advantages", "inference_logprobs"):
             if not bool(torch.isfinite(getattr(self, name)).all()):
                 raise BatchFormatError(f"MicroBatch.{name} holds non-finite values")
