@@ -16,7 +16,6 @@ import pytest
 import torch
 from torch import nn
 
-from prime_composer.checkpoint_layout import marker_path, step_dir
 from prime_composer.config.base import CheckpointConfig, ModelConfig
 from prime_composer.config.loss import LossConfig, SDPOLossConfig
 from prime_composer.config.optim import OptimConfig
@@ -24,6 +23,7 @@ from prime_composer.config.trainer import TrainerConfig
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.packing import SDPOPacker
+from prime_composer.orchestrator.state import OrchestratorState
 from prime_composer.trainer.model import World
 from prime_composer.trainer.policy_copy import PolicyCopy
 from prime_composer.trainer.train import Trainer
@@ -123,8 +123,7 @@ def _save(trainer: Trainer, step: int) -> None:
     """The trainer's part of a checkpoint, plus the orchestrator's (empty) part that resume also waits for."""
     trainer.save_checkpoint(step)
     root = trainer.config.output_dir / "checkpoints"
-    (step_dir(root, step) / "orchestrator").mkdir()
-    marker_path(root, step, "orchestrator").write_text("{}\n")
+    OrchestratorState(step=step).save(root, keep=5)
 
 
 def _teacher(trainer: Trainer) -> PolicyCopy:

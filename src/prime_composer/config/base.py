@@ -65,6 +65,11 @@ class CheckpointConfig(BaseConfig):
     resume_step: int | None = Field(default=None, ge=0)
     """Continue from this step's checkpoint instead of the newest one (implies ``resume``)."""
 
+    parts: tuple[str, ...] = ("trainer", "orchestrator")
+    """The parts every complete checkpoint of the run has (one per process that checkpoints); ``rl``
+    sets it from the run's processes (``config/processes.py``), so leave it alone. A step is resumed
+    from only when all of them are complete and verify."""
+
 
 SHARED_KEYS: tuple[str, ...] = (
     "model",

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from prime_composer.config.cli import CliOptions, build_config, origin_of
 from prime_composer.config.errors import ConfigError
+from prime_composer.config.processes import SECTION_NAMES, checkpoint_parts
 from prime_composer.config.rl import RLConfig
 from prime_composer.config.shared import unify_shared_keys
 
@@ -17,9 +18,14 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
     """Shared keys, then the wiring between processes the user should not have to repeat."""
     config = unify_shared_keys(config, origins)
     if config.ckpt.resume_step is not None and not config.ckpt.resume:
-        config.ckpt.resume = True
-        for section in (config.trainer, config.orchestrator):
-            section.ckpt.resume = True
+        set_shared(config, "ckpt.resume", True)
+    parts = checkpoint_parts(config)
+    if "ckpt.parts" in origins and tuple(config.ckpt.parts) != parts:
+        raise ConfigError(
+            f"{origins['ckpt.parts']}: ckpt.parts = {list(config.ckpt.parts)} but this run's processes write "
+            f"{list(parts)}; remove ckpt.parts (rl sets it)"
+        )
+    set_shared(config, "ckpt.parts", parts)
     _copy_into(config, "trainer.num_ranks", "orchestrator.num_train_ranks", origins)
     _copy_into(config, "inference.secret_env", "orchestrator.inference_secret_env", origins)
     if config.transport.keep_last_steps <= config.max_async_level:
@@ -40,6 +46,19 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
         )
     config.orchestrator.base_url = expected
     return config
+
+
+def set_shared(config: RLConfig, dotted: str, value: object) -> None:
+    """Set a shared key (``"ckpt.resume"``) at the top level and in every section that has it."""
+    *parents, leaf = dotted.split(".")
+    for holder in [config, *(getattr(config, name) for name in SECTION_NAMES)]:
+        node = holder
+        for part in parents:
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        if node is not None and leaf in type(node).model_fields:
+            setattr(node, leaf, value)
 
 
 def _check_sdpo(config: RLConfig, origins: dict[str, str]) -> None:

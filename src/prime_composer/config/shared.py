@@ -17,8 +17,7 @@ from pydantic import BaseModel
 from prime_composer.config.base import SHARED_KEYS
 from prime_composer.config.cli import origin_of
 from prime_composer.config.errors import ConfigError
-
-SECTIONS = ("trainer", "orchestrator", "inference")
+from prime_composer.config.processes import SECTION_NAMES as SECTIONS
 
 
 def _unify(

@@ -94,7 +94,7 @@ class Orchestrator:
     async def run(self) -> None:
         config = self.config
         if config.ckpt.resume or config.ckpt.resume_step is not None:
-            step = resume_step(self.ckpt_root, config.ckpt.resume_step)
+            step = resume_step(self.ckpt_root, config.ckpt.resume_step, config.ckpt.parts)
             self.state = OrchestratorState.load(self.ckpt_root, step)
             logger.info("resumed at step %d (%d groups drawn)", step, self.state.groups_drawn)
         policy = PolicySync(
@@ -121,7 +121,7 @@ class Orchestrator:
                         and step % config.ckpt.interval == 0
                         and not self._resumed_at(step)
                     ):
-                        self.state.save(self.ckpt_root)
+                        self.state.save(self.ckpt_root, config.ckpt.keep)
                     metrics: dict[str, Any] = {}
                     t0 = time.monotonic()
                     policy_step = await policy.ensure(step - config.max_async_level)
@@ -159,7 +159,7 @@ class Orchestrator:
                     self.state.step += 1
                 final = self.state.step
                 if config.ckpt.at_end:
-                    self.state.save(self.ckpt_root)
+                    self.state.save(self.ckpt_root, config.ckpt.keep)
                 if config.eval.interval and self._has_eval():
                     # The last batch's weights are published after the trainer's final step.
                     policy_step = await policy.ensure(final)

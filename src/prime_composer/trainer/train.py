@@ -66,7 +66,8 @@ class Trainer:
         self.start_step = 0
 
     def resume(self) -> None:
-        step = resume_step(self.config.output_dir / "checkpoints", self.config.ckpt.resume_step)
+        ckpt = self.config.ckpt
+        step = resume_step(self.config.output_dir / "checkpoints", ckpt.resume_step, ckpt.parts)
         self.ckpt.load(step, self.model, self.optimizer, self.scheduler, states=self._checkpoint_states())
         self.start_step = step
         logger.info("resumed from the checkpoint of step %d", step)
