@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from prime_composer.config.advantage import AdvantageConfig
 from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, CheckpointConfig, ModelConfig
@@ -95,11 +96,26 @@ class OrchestratorConfig(BaseConfig):
     """Drop samples generated with weights more than this many steps older than the batch."""
 
     max_refill_rounds: int = Field(default=8, ge=0)
-    """Dynamic sampling: at most this many extra rounds of groups per step to replace groups whose
-    rewards were all equal; after that the step trains on what it has."""
+    """Groups that cannot be trained on (rewards all equal under dynamic sampling, every rollout
+    failed, too stale) are replaced by new ones; a step consumes at most ``(1 + max_refill_rounds)
+    x batch_size / group_size`` groups, then trains on what it has."""
+
+    max_inflight: int | None = Field(default=None, ge=1)
+    """Rollouts launched and not yet finished, across steps (queued ones included); groups for the
+    next steps start while the current step's slowest finish. None: ``batch_size x
+    (max_async_level + 1)``. Must hold at least one group (``group_size``)."""
 
     weights_poll_s: float = Field(default=0.1, gt=0)
     """How often to look for newly published weights while waiting for them."""
 
     weights_timeout_s: float = Field(default=3600.0, gt=0)
     """Give up (exit with an error) if the weights a step needs do not appear within this time."""
+
+    @model_validator(mode="after")
+    def _check_inflight(self) -> Self:
+        if self.max_inflight is not None and self.max_inflight < self.group_size:
+            raise ValueError(
+                f"orchestrator.max_inflight = {self.max_inflight} cannot hold one group of "
+                f"group_size = {self.group_size} rollouts: raise it to at least {self.group_size}"
+            )
+        return self

@@ -93,6 +93,12 @@ class GroupPacker(Protocol):
 
     name: str
 
+    def begin(self, items: list[Any], num_micro_batches: int) -> None:
+        """Start a step: ``items`` are what the batch source of the same name gave this step (none
+        for groups built from the samples alone); ``build`` will be called ``num_micro_batches``
+        times, rank by rank, and may hand the items out over those calls."""
+        ...
+
     def fit(self, sample: Sample, piece: Piece, seq_len: int) -> Any | None:
         """What ``sample`` contributes to the group, given the ``piece`` core packing kept; None: nothing."""
         ...
@@ -220,13 +226,19 @@ def pack_step(
     pad_token_id: int,
     temperature: float = 1.0,
     packers: Sequence[GroupPacker] = (),
+    extras: dict[str, list[Any]] | None = None,
 ) -> tuple[list[list[MicroBatch]], PackingStats]:
     """Pack a step's samples; returns ``(micro-batches of each rank, stats)``.
 
     Every rank gets the same number of micro-batches (at least one). The sample id of a token is
     the index of its sample in ``samples``. ``temperature`` is the sampling temperature, passed
-    on so the trainer scales its logits the same way. ``packers`` build the batch groups.
+    on so the trainer scales its logits the same way. ``packers`` build the batch groups;
+    ``extras`` holds the batch sources' items by packer name.
     """
+    extras = extras or {}
+    unknown = set(extras) - {p.name for p in packers}
+    if unknown:
+        raise ValueError(f"pack_step: items for {sorted(unknown)} but no group packer of that name")
     if seq_len < 1 or micro_batch_size < 1 or num_ranks < 1:
         raise ValueError(
             f"pack_step: seq_len ({seq_len}), micro_batch_size ({micro_batch_size}) and "
@@ -251,6 +263,8 @@ def pack_step(
     num_micro_batches = math.ceil(len(rows) / micro_batch_size)
     micro_batches_per_rank = max(1, math.ceil(num_micro_batches / num_ranks))
     rank_rows = _assign_to_ranks(rows, num_ranks, micro_batches_per_rank * micro_batch_size)
+    for packer in packers:
+        packer.begin(extras.get(packer.name, []), micro_batches_per_rank * num_ranks)
 
     rank_batches: list[list[MicroBatch]] = []
     for rows_of_rank in rank_rows:

@@ -1,9 +1,11 @@
 """The orchestrator's resumable state, checkpointed next to the trainer's.
 
 Everything that decides which batch comes next is a counter, so the state is a few integers
-(no RNG objects to pickle): the step about to be produced, how many groups were drawn in total
-(each group's number seeds its sampling), and how many tasks each environment has handed out
-(the task order is a seeded permutation per epoch).
+(no RNG objects to pickle): the step about to be produced, how many groups were consumed in total
+(each group's number seeds its sampling), how many tasks each environment has handed out (the
+task order is a seeded permutation per epoch), and the batch sources' positions. The same class
+holds the draw position, which runs ahead of the consumed one while groups are in flight
+(``stream.py``); checkpoints hold the consumed one.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prime_composer.checkpoint_layout import marker_path, prune_part, step_dir
 from prime_composer.integrity import verify_manifest, write_manifest
@@ -29,6 +32,8 @@ class OrchestratorState:
     """Groups drawn so far over the whole run (the next group's id)."""
     env_draws: list[int] = field(default_factory=list)
     """Tasks drawn so far from each environment."""
+    sources: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The position of each batch source (``BatchSource.state_dict``), by name."""
 
     def save(self, ckpt_root: Path, keep: int) -> None:
         """Write ``step_<N>/orchestrator/state.json`` and its manifest, then the part's ``STABLE``

@@ -14,6 +14,7 @@ A hinted sample whose target falls outside the kept tokens, or whose teacher seq
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +39,10 @@ class SDPOPacker:
     """``GroupPacker`` of the ``sdpo`` group."""
 
     name = SDPOGroup.name
+
+    def begin(self, items: list[Any], num_micro_batches: int) -> None:
+        if items:
+            raise ValueError("the sdpo group is built from hinted samples; it takes no source items")
 
     def fit(self, sample: Sample, piece: Piece, seq_len: int) -> _Target | None:
         if sample.sdpo is None:
