@@ -24,6 +24,7 @@ from prime_composer.inference.vllm.admin import (
     admin_settings,
 )
 from prime_composer.inference.vllm.extension import WeightUpdateExtension
+from prime_composer.integrity import write_manifest
 
 SECRET = "s3cret-value"
 
@@ -31,10 +32,11 @@ SECRET = "s3cret-value"
 class FakeEngine:
     """Records the engine-client calls the middleware makes (vLLM's ``EngineClient`` methods)."""
 
-    def __init__(self, fail_rpc: bool = False, healthy: bool = True) -> None:
+    def __init__(self, fail_rpc: bool = False, healthy: bool = True, rpc_result: Any = None) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.fail_rpc = fail_rpc
         self.healthy = healthy
+        self.rpc_result = rpc_result if rpc_result is not None else {"num_tensors": 1}
 
     async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
         self.calls.append(("pause", mode))
@@ -46,7 +48,7 @@ class FakeEngine:
         self.calls.append(("rpc", method, args))
         if self.fail_rpc:
             raise RuntimeError("worker exploded")
-        return [None]
+        return [self.rpc_result]
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False):
         self.calls.append(("reset_prefix_cache",))
@@ -58,9 +60,11 @@ class FakeEngine:
 
 
 def _publish_dir(root: Path, step: int, stable: bool = True) -> Path:
+    """A step directory as ``publish_weights`` leaves it (the fake workers never read it)."""
     path = root / f"step_{step}"
     path.mkdir(parents=True)
-    (path / "model.safetensors").write_bytes(b"")
+    (path / "model.safetensors").write_bytes(b"weights of step %d" % step)
+    write_manifest(path)
     if stable:
         (path / "STABLE").write_text("{}")
     return path
@@ -171,9 +175,16 @@ class _IdleEngine:
 
 def _hf_client(root: Path, secret: str | None) -> TestClient:
     from prime_composer.inference.openai_routes import ServingState
+    from prime_composer.inference.preprocess import Preprocessor
     from prime_composer.inference.server import create_app
 
-    state = ServingState(engine=_IdleEngine(), tokenizer=None, served_model_name="m", model_root="m")  # type: ignore[arg-type]
+    state = ServingState(
+        engine=_IdleEngine(),  # type: ignore[arg-type]
+        tokenizer=None,
+        served_model_name="m",
+        model_root="m",
+        preprocess=Preprocessor(None, max_model_len=16),
+    )
     return TestClient(create_app(state, root, secret))
 
 
