@@ -12,7 +12,8 @@ Rules (each refusal is an ``APIError`` naming the field):
   ``chat_template_kwargs``) is refused unless ``allow_client_template``: a template is a program
   the server runs. ``chat_template_kwargs`` holds template variables (``enable_thinking``, ...);
   ``apply_chat_template``'s own options (``tokenize``, ``return_dict``, ...) are refused;
-- messages need a string ``role`` and a string, null or list-of-text-parts ``content``;
+- messages are objects with a string ``role`` and a string, null or list-of-text-parts
+  ``content`` (checked here, on a worker thread, not by the request schema);
 - text must be valid Unicode (a lone surrogate such as ``\\ud800`` is a 400, not a tokenizer crash);
 - a prompt longer than the context is refused as soon as its length is known, before its ids
   become a Python list (that conversion holds the GIL, ~70 ms per million tokens);
@@ -75,8 +76,7 @@ class Preprocessor:
         template, kwargs = self._template_options(body)
         if not body.messages:
             raise APIError(400, "messages is empty")
-        messages = [_text_message(m, i) for i, m in enumerate(body.messages)]
-        return await self._run(self._render_and_encode, messages, body, template, kwargs)
+        return await self._run(self._render_and_encode, body, template, kwargs)
 
     async def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         """Prompt ids of each prompt of a text-completion request (token prompts pass through)."""
@@ -85,12 +85,14 @@ class Preprocessor:
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt is empty")
-        if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]  # type: ignore[arg-type]
-        if all(isinstance(p, str) for p in prompt):
+        # The schema makes the list homogeneous, so its first element tells which kind it is
+        # (scanning a million ids in Python would hold the event loop).
+        if isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]
+        if isinstance(prompt[0], str):
             texts: list[str] = list(prompt)  # type: ignore[arg-type]
             return await self._run(self._encode_all, texts, body.add_special_tokens)
-        return [list(p) for p in prompt]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------- event-loop side
 
@@ -148,9 +150,8 @@ class Preprocessor:
 
     # ----------------------------------------------------------------- worker-thread side
 
-    def _render_and_encode(
-        self, messages: list[dict[str, Any]], body: ChatCompletionRequest, template: str | None, kwargs: Any
-    ) -> list[int]:
+    def _render_and_encode(self, body: ChatCompletionRequest, template: str | None, kwargs: Any) -> list[int]:
+        messages = [_text_message(m, i) for i, m in enumerate(body.messages)]
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -216,8 +217,10 @@ def _apply_chat_template_params(tokenizer: Any) -> set[str]:
     return {n for n, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 
-def _text_message(message: dict[str, Any], position: int) -> dict[str, Any]:
+def _text_message(message: Any, position: int) -> dict[str, Any]:
     """``message`` with a list of text parts joined into one string; refuses other shapes."""
+    if not isinstance(message, dict):
+        raise APIError(400, f"messages[{position}] must be an object, got {type(message).__name__}")
     role = message.get("role")
     if not isinstance(role, str):
         missing = "role" not in message
