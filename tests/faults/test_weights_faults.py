@@ -132,7 +132,7 @@ def test_truncated_file_is_refused_without_the_digest_pass(tiny, tmp_path):
 def test_missing_manifest_is_refused(tiny, tmp_path):
     path = _publish(tiny, tmp_path, step=1)
     (path / MANIFEST_NAME).unlink()
-    with pytest.raises(IntegrityError, match="missing, so the files .* cannot be verified"):
+    with pytest.raises(IntegrityError, match=r"missing, so the files .* cannot be verified"):
         load_weights(path)
 
 
@@ -281,4 +281,3 @@ def test_vllm_workers_that_disagree_are_a_500(tiny, tmp_path):
     response = _vllm_client(root, engine).post("/update_weights", json={"path": "step_1"})
     assert response.status_code == 500 and "disagree" in response.json()["error"]["message"]
     assert engine.calls[-1] == "resume"
-
