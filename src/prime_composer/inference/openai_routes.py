@@ -59,8 +59,13 @@ class ServingState:
     tokenizer: Any
     served_model_name: str
     model_root: str
-    preprocess: Preprocessor
+    preprocess: Preprocessor | None = None
+    """Renders and tokenizes prompts; ``None`` makes one with the default limits."""
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if self.preprocess is None:
+            self.preprocess = Preprocessor(self.tokenizer, max_model_len=self.engine.max_model_len)
 
 
 @dataclass
@@ -87,6 +92,7 @@ class _Choice:
 def openai_router(state: ServingState) -> APIRouter:
     router = APIRouter()
     engine, tokenizer, preprocess = state.engine, state.tokenizer, state.preprocess
+    assert preprocess is not None  # set by ServingState.__post_init__
 
     def check_model(model: str | None) -> None:
         if model is not None and model != state.served_model_name:

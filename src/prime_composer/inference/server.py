@@ -106,7 +106,8 @@ def create_app(
         try:
             yield
         finally:
-            state.preprocess.close()
+            if state.preprocess is not None:
+                state.preprocess.close()
             await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="prime-composer inference (hf)", lifespan=lifespan)
