@@ -131,3 +131,9 @@ def test_body_limit_with_and_without_content_length():
 
     response = client.post("/v1/chat/completions", content=chunks())
     assert response.status_code == 413 and response.json()["error"]["code"] == 413
+
+
+def test_apps_built_without_a_config_use_the_config_default_limit():
+    from prime_composer.inference.guard import DEFAULT_MAX_BODY_BYTES
+
+    assert InferenceConfig().max_request_bytes == DEFAULT_MAX_BODY_BYTES == 8 * 2**20

@@ -28,6 +28,9 @@ from prime_composer.inference.auth import bearer_error
 OPEN_PATHS = frozenset({"/health"})
 """Paths that need no secret: the launcher and load balancers poll them."""
 
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+"""The default of ``inference.max_request_bytes`` (for apps built without a config)."""
+
 ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.inference.auth import resolve_admin_secret
 from prime_composer.inference.engine import Engine
-from prime_composer.inference.guard import APIError, RequestGuard, error_response
+from prime_composer.inference.guard import DEFAULT_MAX_BODY_BYTES, APIError, RequestGuard, error_response
 from prime_composer.inference.openai_routes import ServingState, openai_router
 from prime_composer.inference.preprocess import Preprocessor
 from prime_composer.inference.requests import EngineError
@@ -95,7 +95,10 @@ def build_app(config: InferenceConfig) -> FastAPI:
 
 
 def create_app(
-    state: ServingState, weights_root: Path, secret: str | None, max_request_bytes: int = 8 * 2**20
+    state: ServingState,
+    weights_root: Path,
+    secret: str | None,
+    max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI app around an already-built engine (``build_app`` does the loading)."""
     engine = state.engine

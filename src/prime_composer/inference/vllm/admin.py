@@ -51,21 +51,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from prime_composer.inference.guard import APIError, RequestGuard, error_response
+from prime_composer.inference.guard import DEFAULT_MAX_BODY_BYTES, APIError, RequestGuard, error_response
 
 logger = logging.getLogger(__name__)
 
 SETTINGS_ENV = "PRIME_COMPOSER_VLLM_ADMIN"
 LOAD_METHOD = "prime_composer_load_weights"
 RELOAD_METHOD = "prime_composer_reload_base_weights"
-DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
 
 def admin_settings(
     broadcast_root: Path,
     secret_env: str | None,
     served_model_name: str,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> str:
     """The value of ``PRIME_COMPOSER_VLLM_ADMIN`` the launcher sets for vLLM's process."""
     return json.dumps(
@@ -103,7 +102,7 @@ class AdminRoutesMiddleware:
         self._guarded = RequestGuard(
             self._dispatch,
             secret=self.secret,
-            max_body_bytes=int(settings.get("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)),
+            max_body_bytes=int(settings.get("max_request_bytes", DEFAULT_MAX_BODY_BYTES)),
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
