@@ -11,7 +11,10 @@ What it checks, in order, on one server (float32, so agreement is to rounding er
 2. ``/update_weights`` to a published step -> logprobs of that step's weights, not the base's;
    a relative path to a second step -> that step's;
 3. a request running while an update is requested finishes entirely on the old weights;
-4. ``/reload_weights`` -> the base weights again; a path outside the broadcast root is a 403.
+4. ``/reload_weights`` -> the base weights again; a path outside the broadcast root is a 403;
+   a step with a NaN weight and a bit-flipped step are 409s and the served weights stay the base;
+5. with a secret configured, vLLM's own routes (``/v1/completions``, ``/v1/models``) need it too;
+   ``/health`` does not.
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from safetensors.torch import save_file
+
 from prime_composer.config.inference import InferenceConfig
+from prime_composer.integrity import write_manifest
 from prime_composer.model.resolve import resolve_model_name
 from prime_composer.transport.weights import publish_weights
 
@@ -47,6 +53,9 @@ PROMPTS = [[1, 50, 60, 70, 80, 90], [3, 17, 250, 4, 99, 120, 7, 8]]
 ATOL = 1e-4
 DIFFERENT = 0.05
 STARTUP_TIMEOUT_S = 300
+SECRET_ENV = "PC_TEST_VLLM_SECRET"
+SECRET = "vllm-test-secret-5d1e"
+AUTH = {"Authorization": f"Bearer {SECRET}"}
 
 pytestmark = [
     pytest.mark.vllm,
@@ -145,6 +154,7 @@ def _generate(
             "return_tokens_as_token_ids": True,
             **extra,
         },
+        headers=AUTH,
         timeout=120,
     )
     assert response.status_code == 200, response.text
@@ -173,9 +183,25 @@ def test_vllm_cpu_serves_published_weights(tmp_path: Path) -> None:
     output_dir = tmp_path / "run"
     paths = {n: publish_weights(m, m.config, output_dir / "broadcasts", n) for n, m in steps.items()}
 
+    # A step whose norm weight is NaN (as a publisher without checks would write it) and a
+    # bit-flipped copy of step 1: both must be refused, the served weights untouched.
+    nan_dir = output_dir / "broadcasts" / "step_3"
+    nan_dir.mkdir()
+    state = {k: v.clone() for k, v in steps[1].state_dict().items() if k != "lm_head.weight"}
+    state["model.norm.weight"][0] = float("nan")
+    save_file(state, str(nan_dir / "model.safetensors"))
+    write_manifest(nan_dir)
+    (nan_dir / "STABLE").write_text("{}")
+    flipped = publish_weights(steps[1], steps[1].config, output_dir / "broadcasts", 4) / "model.safetensors"
+    data = bytearray(flipped.read_bytes())
+    data[-64] ^= 0x01
+    flipped.write_bytes(bytes(data))
+
+    os.environ[SECRET_ENV] = SECRET  # inherited by serve_vllm, which hands vLLM only its name
     config = InferenceConfig(
         backend="vllm",
         port=_free_port(),
+        secret_env=SECRET_ENV,
         output_dir=output_dir,
         model={"name": MODEL_NAME, "dtype": "float32"},
         max_model_len=512,
@@ -201,17 +227,19 @@ def test_vllm_cpu_serves_published_weights(tmp_path: Path) -> None:
         assert (served - raw).abs().max().item() > DIFFERENT, "these look like raw logprobs"
 
         # 2. published steps, absolute then relative path.
-        response = httpx.post(f"{url}/update_weights", json={"path": str(paths[1])}, timeout=120)
+        response = httpx.post(
+            f"{url}/update_weights", json={"path": str(paths[1])}, headers=AUTH, timeout=120
+        )
         assert response.status_code == 200, response.text
         assert response.json() == {"status": "ok", "path": str(paths[1].resolve()), "step": 1}
         errors = {"step 1": _max_error(url, steps[1]), "base after step 1": _max_error(url, base)}
-        response = httpx.post(f"{url}/update_weights", json={"path": "step_2"}, timeout=120)
+        response = httpx.post(f"{url}/update_weights", json={"path": "step_2"}, headers=AUTH, timeout=120)
         assert response.status_code == 200, response.text
         errors["step 2"] = _max_error(url, steps[2])
         print("max |logprob error|:", errors)
         assert errors["step 1"] < ATOL and errors["step 2"] < ATOL
         assert errors["base after step 1"] > DIFFERENT
-        assert httpx.get(f"{url}/health").json()["weights"]["step"] == 2
+        assert httpx.get(f"{url}/health").json()["weights"]["step"] == 2  # no secret needed
 
         # 3. a long request running while step 1 is requested finishes on step 2's weights.
         result: dict[str, Any] = {}
@@ -226,7 +254,7 @@ def test_vllm_cpu_serves_published_weights(tmp_path: Path) -> None:
         long_request.start()
         time.sleep(1.0)  # let the request be admitted first
         update_requested = time.monotonic()
-        response = httpx.post(f"{url}/update_weights", json={"path": "step_1"}, timeout=120)
+        response = httpx.post(f"{url}/update_weights", json={"path": "step_1"}, headers=AUTH, timeout=120)
         long_request.join(timeout=120)
         assert response.status_code == 200, response.text
         assert result["finished"] > update_requested, (
@@ -239,15 +267,30 @@ def test_vllm_cpu_serves_published_weights(tmp_path: Path) -> None:
         assert _max_error(url, steps[1]) < ATOL
 
         # 4. base weights again; the contract's refusals.
-        response = httpx.post(f"{url}/reload_weights", timeout=120)
+        response = httpx.post(f"{url}/reload_weights", headers=AUTH, timeout=120)
         assert response.json() == {"status": "ok", "path": None, "step": None}
         assert _max_error(url, base) < ATOL
         assert _max_error(url, steps[1]) > DIFFERENT
-        outside = httpx.post(f"{url}/update_weights", json={"path": str(tmp_path)}, timeout=30)
+        outside = httpx.post(f"{url}/update_weights", json={"path": str(tmp_path)}, headers=AUTH, timeout=30)
         assert outside.status_code == 403 and outside.json()["error"]["code"] == 403
+        for step, needle in [(3, "model.norm.weight"), (4, "model.safetensors")]:
+            refused = httpx.post(
+                f"{url}/update_weights", json={"path": f"step_{step}"}, headers=AUTH, timeout=120
+            )
+            assert refused.status_code == 409 and needle in refused.json()["error"]["message"], refused.text
+        assert httpx.get(f"{url}/health").json()["weights"]["step"] is None
+        assert _max_error(url, base) < ATOL  # still the base weights, generation resumed
+
+        # 5. the secret guards vLLM's own routes too.
+        prompt = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            assert httpx.post(f"{url}/v1/completions", json=prompt, headers=headers).status_code == 401
+            assert httpx.get(f"{url}/v1/models", headers=headers).status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200
     except BaseException:
         print(server.log_tail())
         raise
     finally:
         server.stop()
+        os.environ.pop(SECRET_ENV, None)
     assert server.proc.returncode == 0, server.log_tail()

@@ -58,8 +58,28 @@ class InferenceConfig(BaseConfig):
     """TCP port of the OpenAI-compatible API."""
 
     secret_env: str | None = None
-    """Name of the environment variable holding the shared secret that admin endpoints
-    (``/update_weights``, ``/reload_weights``) require as ``Authorization: Bearer <secret>``."""
+    """Name of the environment variable holding the shared secret. When set, every route except
+    ``/health`` (generation, ``/v1/models``, ``/update_weights``, ``/reload_weights``) requires
+    ``Authorization: Bearer <secret>``; required when ``host`` is not loopback."""
+
+    max_request_bytes: int = Field(default=8 * 2**20, ge=1024)
+    """Largest request body accepted, in bytes (default 8 MiB); a larger one is answered 413
+    before it is read whole. Both backends."""
+
+    allow_client_chat_template: bool = False
+    """Let chat requests bring their own Jinja chat template (``chat_template``, top level or in
+    ``chat_template_kwargs``). Off, such a request is a 400: a template is a program the server
+    runs (it can loop for seconds). Turn on only when every client is trusted. Both backends
+    (vLLM's ``--trust-request-chat-template``)."""
+
+    preprocess_timeout_s: float = Field(default=10.0, gt=0)
+    """``hf`` backend: time limit for rendering one request's chat template and tokenizing its
+    prompt(s), waiting for a free preprocessing thread included. Past it the request is answered
+    413 (it was still being processed: too large) or 429 (it never got a thread: retry later)."""
+
+    num_preprocess_threads: int = Field(default=2, ge=1)
+    """``hf`` backend: threads that render chat templates and tokenize prompts, off the event loop
+    (the Rust tokenizer releases the GIL, so they run in parallel with serving)."""
 
     model: ModelConfig = ModelConfig()
     """Shared with the other processes (set it at the top level)."""

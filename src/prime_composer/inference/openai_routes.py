@@ -6,8 +6,12 @@ Response shapes follow vLLM's: with ``return_token_ids`` a chat response has top
 chunk, delta ``token_ids`` on each); ``choices[i].logprobs.content[j].logprob`` is the processed
 (post-temperature) logprob of the sampled token; with ``return_tokens_as_token_ids`` tokens are
 written ``"token_id:<id>"``. The token-in endpoint always writes tokens that way. Logprobs are
-clamped at -9999.0 as vLLM does (JSON has no -inf). Streams end with a chunk carrying ``usage`` and
-then ``data: [DONE]``.
+clamped at -9999.0 as vLLM does (JSON has no -inf). Streams end with ``data: [DONE]``, preceded by
+a chunk carrying ``usage`` (and no choices) only when ``stream_options.include_usage`` is true, as
+OpenAI specifies.
+
+Prompts are rendered and tokenized by ``preprocess.Preprocessor`` on its thread pool, never on
+the event loop.
 
 Not implemented (said so at run time, never silently): parsing tool calls or reasoning out of
 chat replies (``tools`` are rendered by the chat template; the reply is returned as text),
@@ -30,6 +34,8 @@ from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
 from prime_composer.inference.engine import Engine
+from prime_composer.inference.guard import APIError
+from prime_composer.inference.preprocess import Preprocessor
 from prime_composer.inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,23 +50,22 @@ logger = logging.getLogger(__name__)
 LOGPROB_FLOOR = -9999.0
 
 
-class APIError(Exception):
-    """A client error, answered as ``{"error": {...}}`` with ``status``."""
-
-    def __init__(self, status: int, message: str, error_type: str = "BadRequestError") -> None:
-        super().__init__(message)
-        self.status, self.message, self.error_type = status, message, error_type
-
-
 @dataclass
 class ServingState:
-    """What the routes need: the engine, the tokenizer and the served model's identity."""
+    """What the routes need: the engine, the tokenizer, the preprocessor and the served model's
+    identity."""
 
     engine: Engine
     tokenizer: Any
     served_model_name: str
     model_root: str
+    preprocess: Preprocessor | None = None
+    """Renders and tokenizes prompts; ``None`` makes one with the default limits."""
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if self.preprocess is None:
+            self.preprocess = Preprocessor(self.tokenizer, max_model_len=self.engine.max_model_len)
 
 
 @dataclass
@@ -86,7 +91,8 @@ class _Choice:
 
 def openai_router(state: ServingState) -> APIRouter:
     router = APIRouter()
-    engine, tokenizer = state.engine, state.tokenizer
+    engine, tokenizer, preprocess = state.engine, state.tokenizer, state.preprocess
+    assert preprocess is not None  # set by ServingState.__post_init__
 
     def check_model(model: str | None) -> None:
         if model is not None and model != state.served_model_name:
@@ -148,7 +154,7 @@ def openai_router(state: ServingState) -> APIRouter:
                 "tool calls out of the reply: they come back as text in message.content (verifiers' train "
                 "client parses them client-side from the token ids)",
             )
-        prompt_ids = render_chat(tokenizer, body)
+        prompt_ids = await preprocess.chat(body)
         max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(prompt_ids)
         num_top = (body.top_logprobs or 0) if body.logprobs else 0
         request = GenerationRequest(prompt_ids, sampling_params(body, max_tokens, num_top))
@@ -166,7 +172,7 @@ def openai_router(state: ServingState) -> APIRouter:
         _check_options(body)
         if body.echo or body.suffix:
             raise APIError(400, "echo and suffix are not supported by the hf backend")
-        prompts = _completion_prompts(tokenizer, body)
+        prompts = await preprocess.completion_prompts(body)
         num_top = body.logprobs if body.logprobs is not None else 0
         requests = []
         for prompt_ids in prompts:
@@ -234,57 +240,6 @@ def _check_options(options: Any) -> None:
     message = neutral_options_error(options)
     if message:
         raise APIError(400, message)
-
-
-def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
-    """Prompt token ids from the tokenizer's chat template (text-only message contents)."""
-    if not body.messages:
-        raise APIError(400, "messages is empty")
-    messages = [_text_message(m, i) for i, m in enumerate(body.messages)]
-    kwargs = dict(body.chat_template_kwargs or {})
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            tools=body.tools,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            tokenize=False,
-            **kwargs,
-        )
-    except Exception as e:  # template errors (bad roles, missing template) are the client's to fix
-        raise APIError(400, f"could not apply the chat template: {type(e).__name__}: {e}") from e
-    # The template already wrote any BOS/special tokens, so none are added on top (as vLLM does).
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def _text_message(message: dict[str, Any], position: int) -> dict[str, Any]:
-    if "role" not in message:
-        raise APIError(400, f"messages[{position}] has no role")
-    content = message.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(
-                    400, f"messages[{position}] has a {kind!r} part: the hf backend serves text only"
-                )
-            texts.append(str(part.get("text", "")))
-        message = {**message, "content": "\n".join(texts)}
-    return message
-
-
-def _completion_prompts(tokenizer: Any, body: CompletionRequest) -> list[list[int]]:
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        return [tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)]
-    if not prompt:
-        raise APIError(400, "prompt is empty")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    if all(isinstance(p, str) for p in prompt):
-        return [tokenizer.encode(p, add_special_tokens=body.add_special_tokens) for p in prompt]  # type: ignore[arg-type]
-    return [list(p) for p in prompt]  # type: ignore[arg-type]
 
 
 async def _collect(updates: AsyncIterator[list[ChoiceUpdate]], n: int) -> list[_Choice]:
@@ -445,7 +400,8 @@ class _ChatFormat:
                     if self.body.return_token_ids:
                         choice["token_ids"] = u.token_ids
                     yield self._chunk([choice])
-        yield self._chunk([], usage=_usage(len(self.prompt_ids), num_completion))
+        if self.body.include_usage:
+            yield self._chunk([], usage=_usage(len(self.prompt_ids), num_completion))
 
 
 class _CompletionFormat:
@@ -514,18 +470,16 @@ class _CompletionFormat:
                             choice["prompt_token_ids"] = prompt_ids
                             sent_prompt[u.index] = True
                         choice["token_ids"] = u.token_ids
-                    yield {
-                        "id": self.id,
-                        "object": "text_completion",
-                        "created": self.created,
-                        "model": self.state.served_model_name,
-                        "choices": [choice],
-                    }
-        yield {
+                    yield self._chunk([choice])
+        if self.body.include_usage:
+            yield self._chunk([], usage=_usage(len(prompt_ids), num_completion))
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
             "model": self.state.served_model_name,
-            "choices": [],
-            "usage": _usage(len(prompt_ids), num_completion),
+            "choices": choices,
+            **extra,
         }

@@ -1,9 +1,14 @@
 """The ``hf`` backend's HTTP server: FastAPI app, admin endpoints, error format, ``serve``.
 
 Endpoints: the OpenAI-compatible ones (``openai_routes``), ``GET /health``, and the admin
-endpoints ``POST /update_weights {"path": ...}`` and ``POST /reload_weights`` (shared secret, see
-``auth``). ``/update_weights`` only reads ``step_<N>`` directories published (``STABLE``) under
-``<output_dir>/broadcasts``; the path is resolved (symlinks included) before that check.
+endpoints ``POST /update_weights {"path": ...}`` and ``POST /reload_weights``.
+
+Every request first passes ``guard.RequestGuard``: with a secret configured (``auth``) every route
+but ``/health`` needs it, and bodies over ``inference.max_request_bytes`` are a 413.
+``/update_weights`` only reads ``step_<N>`` directories published (``STABLE``) under
+``<output_dir>/broadcasts`` (``weight_paths``: the path is resolved, symlinks included, before
+that check), verifies their digests and that every value is finite (``transport.weights``), and
+refuses content problems with 409.
 
 Every client error is a 4xx with OpenAI's error body ``{"error": {"message", "type", "param",
 "code"}}``; malformed JSON and schema violations are 400 (as vLLM answers them), never a crash.
@@ -27,27 +32,19 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prime_composer.config.inference import InferenceConfig
-from prime_composer.inference.auth import check_bearer, resolve_admin_secret
+from prime_composer.inference.auth import resolve_admin_secret
 from prime_composer.inference.engine import Engine
-from prime_composer.inference.openai_routes import APIError, ServingState, openai_router
-from prime_composer.inference.protocol import UpdateWeightsRequest
+from prime_composer.inference.guard import DEFAULT_MAX_BODY_BYTES, APIError, RequestGuard, error_response
+from prime_composer.inference.openai_routes import ServingState, openai_router
+from prime_composer.inference.preprocess import Preprocessor
 from prime_composer.inference.requests import EngineError
-from prime_composer.transport.weights import is_stable, load_weights, parse_step
+from prime_composer.inference.weight_paths import WeightPathError, checked_step_dir, update_path_from_body
+from prime_composer.transport.weights import load_weights, parse_step
 
 logger = logging.getLogger(__name__)
-
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    409: "ConflictError",
-    422: "BadRequestError",
-}
 
 
 KEEP_ALIVE_S = 75
@@ -78,10 +75,11 @@ def build_app(config: InferenceConfig) -> FastAPI:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     model, tokenizer = load_model_and_tokenizer(config.model, device)
+    max_model_len = max_context(model, config.max_model_len)
     engine = Engine(
         model,
         tokenizer,
-        max_model_len=max_context(model, config.max_model_len),
+        max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
         max_prefill_tokens=config.max_prefill_tokens,
         seed=config.seed,
@@ -91,11 +89,23 @@ def build_app(config: InferenceConfig) -> FastAPI:
         tokenizer=tokenizer,
         served_model_name=config.served_model_name or config.model.name,
         model_root=str(getattr(model, "name_or_path", config.model.name)),
+        preprocess=Preprocessor(
+            tokenizer,
+            max_model_len=max_model_len,
+            num_threads=config.num_preprocess_threads,
+            timeout_s=config.preprocess_timeout_s,
+            allow_client_template=config.allow_client_chat_template,
+        ),
     )
-    return create_app(state, broadcast_root(config), secret)
+    return create_app(state, broadcast_root(config), secret, config.max_request_bytes)
 
 
-def create_app(state: ServingState, weights_root: Path, secret: str | None) -> FastAPI:
+def create_app(
+    state: ServingState,
+    weights_root: Path,
+    secret: str | None,
+    max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
     """The FastAPI app around an already-built engine (``build_app`` does the loading)."""
     engine = state.engine
 
@@ -105,9 +115,12 @@ def create_app(state: ServingState, weights_root: Path, secret: str | None) -> F
         try:
             yield
         finally:
+            if state.preprocess is not None:
+                state.preprocess.close()
             await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="prime-composer inference (hf)", lifespan=lifespan)
+    app.add_middleware(RequestGuard, secret=secret, max_body_bytes=max_request_bytes)
     app.include_router(openai_router(state))
     _install_error_handlers(app)
     update_lock = asyncio.Lock()
@@ -119,26 +132,33 @@ def create_app(state: ServingState, weights_root: Path, secret: str | None) -> F
 
     @app.post("/update_weights")
     async def update_weights(request: Request) -> dict[str, Any]:
-        check_bearer(request, secret)
         try:
-            body = UpdateWeightsRequest.model_validate(await _json_body(request))
-        except ValidationError as e:
-            raise APIError(400, _describe_validation(e.errors())) from e
-        path = _checked_weight_path(body.path, weights_root)
+            path = checked_step_dir(update_path_from_body(await request.body()), weights_root)
+        except WeightPathError as e:
+            raise APIError(e.status, e.message) from None
         async with update_lock:
-            try:
-                state_dict = await asyncio.to_thread(load_weights, path)
-                engine.check_state_dict(state_dict)
-            except (FileNotFoundError, ValueError, OSError) as e:
-                raise APIError(400, f"cannot load weights from {path}: {e}") from e
+            state_dict = await _load_checked(path)
             await engine.update_weights(state_dict)
             current.update(path=str(path), step=parse_step(path))
         logger.info("serving weights from %s", path)
         return {"status": "ok", **current}
 
+    async def _load_checked(path: Path) -> Any:
+        """The state dict of a published step; every content problem is a 409 naming it."""
+        try:
+            state_dict = await asyncio.to_thread(load_weights, path)
+        except FileNotFoundError as e:  # pruned by the trainer since the path was checked
+            raise APIError(404, str(e)) from None
+        except Exception as e:  # digest mismatch, NaN/inf, unreadable safetensors, ...
+            raise APIError(409, f"refused the weights in {path}: {type(e).__name__}: {e}") from None
+        try:
+            engine.check_state_dict(state_dict)
+        except ValueError as e:
+            raise APIError(409, f"refused the weights in {path}: {e}") from None
+        return state_dict
+
     @app.post("/reload_weights")
-    async def reload_weights(request: Request) -> dict[str, Any]:
-        check_bearer(request, secret)
+    async def reload_weights() -> dict[str, Any]:
         async with update_lock:
             await engine.update_weights(None)
             current.update(path=None, step=None)
@@ -148,62 +168,26 @@ def create_app(state: ServingState, weights_root: Path, secret: str | None) -> F
     return app
 
 
-async def _json_body(request: Request) -> Any:
-    try:
-        return await request.json()
-    except ValueError as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from e
-
-
-def _checked_weight_path(raw: str, root: Path) -> Path:
-    """Resolve ``raw`` (relative paths are under ``root``) and refuse anything outside ``root``."""
-    root = root.resolve()
-    candidate = Path(raw).expanduser()
-    path = (candidate if candidate.is_absolute() else root / candidate).resolve()
-    if path == root or not path.is_relative_to(root):
-        raise APIError(
-            403,
-            f"weight path {raw!r} is outside the broadcast root {root}: only step directories "
-            "published there by the trainer are accepted",
-            "PermissionDeniedError",
-        )
-    if not path.is_dir():
-        raise APIError(404, f"weight directory {path} does not exist", "NotFoundError")
-    if not is_stable(path):
-        raise APIError(
-            409, f"weight directory {path} has no STABLE marker (still being written?)", "ConflictError"
-        )
-    return path
-
-
-def _error(status: int, message: str, error_type: str | None = None) -> JSONResponse:
-    body = {
-        "error": {
-            "message": message,
-            "type": error_type or _ERROR_TYPES.get(status, "Error"),
-            "param": None,
-            "code": status,
-        }
-    }
-    return JSONResponse(body, status_code=status)
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return _error(e.status, e.message, e.error_type)
+        headers = {"Retry-After": "1"} if e.status == 429 else None
+        return error_response(e.status, e.message, e.error_type, headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:
-        return _error(400, _describe_validation(e.errors()))
+        return error_response(400, _describe_validation(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error(e.status_code, str(e.detail))
+        message = str(e.detail)
+        if e.__cause__ is not None:  # FastAPI's "error parsing the body": say what the error was
+            message += f": {type(e.__cause__).__name__}: {str(e.__cause__)[:300]}"
+        return error_response(e.status_code, message)
 
     @app.exception_handler(EngineError)
     async def engine_error(_: Request, e: EngineError) -> JSONResponse:
-        return _error(500, str(e), "InternalServerError")
+        return error_response(500, str(e), "InternalServerError")
 
 
 def _describe_validation(errors: Any) -> str:
@@ -227,7 +211,7 @@ def serve(config: InferenceConfig) -> None:
     app = build_app(config)
     if config.secret_env:
         # The variable's name only; its value is never logged.
-        logger.info("admin endpoints require the secret in $%s", config.secret_env)
+        logger.info("every route but /health requires the secret in $%s", config.secret_env)
     logger.info(
         "serving %s on http://%s:%d (pid %d)", config.model.name, config.host, config.port, os.getpid()
     )
