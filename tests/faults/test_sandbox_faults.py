@@ -58,6 +58,9 @@ def test_every_bad_call_is_a_result_and_the_episode_goes_on(
         ("run_tests", "", None),
         ("edit_file", '{"path": "a.txt", "old_string": "beta", "new_string": "gamma"}', "edit_no_match"),
         ("read_file", '{"path": "/etc/shadow"}', "path_outside_workspace"),
+        ("read_file", {"path": "a.txt"}, None),  # a harness that already parsed the arguments
+        ("read_file", ["a.txt"], "invalid_arguments"),
+        ("read_file", {"path": object()}, "invalid_json"),
     ]
     contents = []
     for name, arguments, error in script:
@@ -188,3 +191,38 @@ def test_unisolated_runs_only_when_allowed_and_says_so(
             assert result.stdout == f"{workspace.path}\n"
             done = sandbox.run(workspace, ["python", "-c", "print(6 * 7)"])
             assert done.exit_code == 0 and done.stdout == "42\n"
+
+
+def test_a_dead_fork_server_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    with (
+        Sandbox(SandboxConfig(limits=LIMITS, allow_unisolated=os.geteuid() != 0)) as sandbox,
+        sandbox.workspace() as workspace,
+    ):
+        server = sandbox._spawner._proc
+        assert server is not None
+        # Killed between runs: the next run starts a new server.
+        server.kill()
+        server.wait()
+        assert sandbox.run(workspace, ["echo", "again"]).stdout == "again\n"
+        assert sandbox._spawner._proc is not None and sandbox._spawner._proc.pid != server.pid
+
+
+@root_only
+def test_a_fork_server_killed_during_a_run_takes_the_run_with_it(
+    sandbox: Sandbox, workspace: Workspace
+) -> None:
+    server = sandbox._spawner._proc
+    assert server is not None and workspace.uid is not None
+    killer = subprocess.Popen(["sh", "-c", f"sleep 0.5; kill -9 {server.pid}"])
+    try:
+        with pytest.raises(SandboxError, match="without reporting"):
+            sandbox.run(
+                workspace, "setsid sleep 300 & sleep 300", limits=LIMITS.model_copy(update={"timeout_s": 20})
+            )
+    finally:
+        killer.wait()
+    deadline = time.monotonic() + 5
+    while sleepers(workspace.uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sleepers(workspace.uid) == []
+    assert sandbox.run(workspace, ["true"]).exit_code == 0

@@ -70,3 +70,12 @@ def test_null_optional_arguments_are_dropped() -> None:
     assert arguments == {"path": "a"}
     with pytest.raises(ToolError, match="must be a string"):
         _validate(TOOL, {"path": None})
+
+
+def test_arguments_may_come_parsed_or_malformed() -> None:
+    from prime_composer.sandbox.tools import _as_json
+
+    assert _as_json(None) == "" and _as_json('{"a": 1}') == '{"a": 1}'
+    assert _as_json({"path": "x"}) == '{"path": "x"}'
+    assert _as_json(["x"]) == '["x"]'
+    assert _as_json({"x": object()}).startswith("{'x': <object")

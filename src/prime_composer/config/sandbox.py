@@ -39,7 +39,9 @@ class LimitsConfig(BaseConfig):
     """CPU seconds per process (``RLIMIT_CPU``): SIGXCPU at the limit, SIGKILL one second later."""
 
     memory_mb: int = Field(default=2048, ge=16)
-    """Address space per process in MiB (``RLIMIT_AS``); allocations beyond it fail."""
+    """Address space per process in MiB (``RLIMIT_AS``); allocations beyond it fail. It counts
+    reserved, not resident, memory: programs that map large regions up front (CUDA libraries,
+    JAX) need more than they use."""
 
     max_processes: int = Field(default=64, ge=1)
     """Processes and threads of the workspace's user at once (``RLIMIT_NPROC``); ``fork`` beyond it

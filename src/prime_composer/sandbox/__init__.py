@@ -34,16 +34,16 @@ machines, kernel 6.18, cgroup v1, no container engine):
   SIGKILL when its parent dies, so a crash of this process kills its runs too.
 - **A scrubbed environment**: a fixed set of variables (``Sandbox.environment``: PATH with the
   Python environment's ``bin`` first, HOME = the workspace, TMPDIR, LANG, PYTHONDONTWRITEBYTECODE,
-  ...) plus ``extra_env``; nothing is inherited, so API keys never reach sandboxed code, and the
+  one BLAS/OpenMP thread, ...) plus ``extra_env``; nothing is inherited, so API keys never reach sandboxed code, and the
   pid namespace hides other processes' ``/proc/<pid>/environ``.
 
 Why this and not the alternatives: there is no container engine here; cgroup v2 controllers are
 not available (v1 hierarchy, and the memory cgroup is the machine's own), so limits are rlimits
 (``RLIMIT_AS`` counts address space, not resident memory: a program that maps much more than it
 touches needs a larger ``memory_mb``); a user namespace alone would still leave root's files
-writable and ``RLIMIT_NPROC`` unenforced. Each run starts a small set-up process
-(``_init.py``, stdlib only, ``python -I -S``): about 25-30 ms per call on a quiet 2-core machine,
-most of it that interpreter's start-up (``bench/agentic.py`` measures it against the bare command).
+writable and ``RLIMIT_NPROC`` unenforced. Runs start from a fork server (``_init.py``, stdlib only,
+started once per ``Sandbox``), so a call costs a few forks, not an interpreter start-up (~15 ms);
+``bench/agentic.py`` measures the overhead against the bare command.
 
 Python in the sandbox: ``python`` on ``PATH`` is the project's environment (``sys.prefix``, or
 ``SandboxConfig.python_env``), so ``python -m pytest`` works with the project's pytest. The

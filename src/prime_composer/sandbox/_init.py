@@ -1,21 +1,26 @@
-"""The process that sets up one sandboxed run and starts the command in it (stdlib only).
+"""The sandbox's fork server: starts each run's process tree (stdlib only, no package imports).
 
-``Sandbox.run`` starts it as ``python -I -S _init.py SPEC_FD STATUS_FD``: ``SPEC_FD`` is a memfd
-holding the run's spec (a ``marshal``-ed dict written by the parent), ``STATUS_FD`` a pipe on which
-this process reports what happened, one ``key value`` line per fact. It imports nothing from the package
-and only fast stdlib modules, because its start-up time is the sandbox's per-call overhead.
+``Sandbox`` starts this script once, as ``python -I -S _init.py SOCK_FD`` (as root in isolated
+mode), and keeps it for its lifetime: a fork server, so a run costs a ``fork`` of this small,
+already warm process instead of a new interpreter (~15 ms) per call. One request on the
+``SOCK_SEQPACKET`` socket carries five file descriptors: a memfd holding the run's spec (a
+``marshal``-ed dict from the parent), the command's stdin, stdout and stderr, and a pipe on which
+the run reports what happened, one ``key value`` line per fact. The server forks ``outer`` and
+replies with its pid (the run's process group, which the parent SIGKILLs on timeout). The server
+ignores SIGCHLD (the kernel reaps its children) and exits when the socket closes, i.e. when the
+parent is gone; its children then die with it (below).
 
-Isolated mode (root), three processes::
+Isolated mode, below the server::
 
-    outer (this script)      unshare(mount, net, pid, ipc, uts); fork; wait; exit
+    outer                    new session; unshare(mount, net, pid, ipc, uts); fork; wait; exit
       └─ init (pid 1)        mounts (hidden paths, exposed paths, private tmp, /proc), lo up;
                              fork; reap every child until the command ends; report; exit,
                              which makes the kernel SIGKILL whatever is left in the namespace
            └─ command        rlimits, drop to the workspace's uid (no groups, no_new_privs),
                              umask, chdir, exec with the spec's environment
 
-Both ``outer`` and ``init`` ask for SIGKILL when their parent dies, so killing ``outer`` (the
-parent does, with its process group, on timeout) tears the whole namespace down.
+``outer`` and ``init`` ask for SIGKILL when their parent dies, so the death of the server or of
+``outer`` tears the whole namespace down.
 
 Unisolated mode: ``outer`` forks the command (same process group), waits, reports, and SIGKILLs
 its own process group, which takes the command's children with it. A child that starts its own
@@ -53,36 +58,78 @@ class SetupError(Exception):
 
 
 def main() -> None:
-    spec_fd, status_fd = int(sys.argv[1]), int(sys.argv[2])
-    with os.fdopen(spec_fd, "rb") as f:
-        spec = marshal.loads(f.read())
-    if spec["isolate"]:
-        libc = _libc()
-        _die_with_parent(libc, spec["parent_pid"])
+    import socket
+
+    libc = _libc()
+    server = socket.socket(fileno=int(sys.argv[1]))
+    server_pid = os.getpid()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps finished runs
+    while True:
         try:
-            _check(
-                libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS),
-                "unshare",
-            )
-        except SetupError as e:
-            _report(status_fd, "setup_error", str(e))
-            os._exit(1)
-        # The child cannot see this process (it is outside its pid namespace), so it learns whether
-        # this process is still alive from a pipe whose write end only this process holds.
-        alive_r, alive_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(alive_w)
-            _ns_init(libc, spec, status_fd, alive_r)
-        os.close(alive_r)
-        os.close(status_fd)
-        os.waitpid(pid, 0)
-        os._exit(0)
-    else:
-        command_pid = _start_command(None, spec, status_fd)
+            _, fds, _, _ = socket.recv_fds(server, 16, 8)
+        except OSError:
+            break
+        if not fds:  # end of file: the parent is gone
+            break
+        reply = f"error: expected 5 file descriptors, got {len(fds)}"
+        if len(fds) == 5:
+            try:
+                pid = os.fork()
+            except OSError as e:
+                pid, reply = -1, f"error: fork: {e}"
+            if pid == 0:
+                try:
+                    server.close()
+                    _outer(libc, fds, server_pid)
+                finally:
+                    os._exit(1)  # never back into the server loop
+            if pid > 0:
+                reply = str(pid)
+        for fd in fds:
+            os.close(fd)
+        try:
+            server.send(reply.encode())
+        except OSError:
+            break
+
+
+def _outer(libc, fds: list[int], server_pid: int) -> None:
+    """A run's top process (see the module docstring); never returns."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    spec_fd, stdin_fd, stdout_fd, stderr_fd, status_fd = fds
+    try:
+        os.setsid()
+        _die_with_parent(libc, server_pid)
+        for fd, target in ((stdin_fd, 0), (stdout_fd, 1), (stderr_fd, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        with os.fdopen(spec_fd, "rb") as f:
+            spec = marshal.loads(f.read())
+    except (OSError, SetupError, ValueError) as e:
+        _report(status_fd, "setup_error", f"starting the run: {e}")
+        os._exit(1)
+    if not spec["isolate"]:
+        command_pid = _start_command(libc, spec, status_fd)
         _wait_command(command_pid, status_fd, reap_others=False)
-        # Take the command's children (same process group) down with this process.
-        os.killpg(0, signal.SIGKILL)
+        os.killpg(0, signal.SIGKILL)  # the command's children (same process group), and this process
+    try:
+        _check(
+            libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS), "unshare"
+        )
+    except SetupError as e:
+        _report(status_fd, "setup_error", str(e))
+        os._exit(1)
+    # The child cannot see this process (it is outside its pid namespace), so it learns whether
+    # this process is still alive from a pipe whose write end only this process holds.
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(alive_w)
+        _ns_init(libc, spec, status_fd, alive_r)
+    os.close(alive_r)
+    os.close(status_fd)
+    os.waitpid(pid, 0)
+    os._exit(0)
 
 
 def _ns_init(libc, spec: dict, status_fd: int, alive_r: int) -> None:
@@ -128,11 +175,14 @@ def _setup_mounts(libc, spec: dict) -> None:
 
 
 def _start_command(libc, spec: dict, status_fd: int) -> int:
+    parent_pid = os.getpid()
     pid = os.fork()
     if pid != 0:
         return pid
     try:
         os.set_inheritable(status_fd, False)
+        if not spec["isolate"]:  # isolated, the namespace's end does this
+            _die_with_parent(libc, parent_pid)
         for name, value in spec["rlimits"]:
             resource.setrlimit(name, value)
         if spec["uid"] is not None:

@@ -1,11 +1,12 @@
 """``Sandbox.run``: one command in a workspace, isolated and limited, as a ``RunResult``.
 
-Each run starts ``_init.py`` (see there for the process tree) with the run's spec, then reads the
-command's stdout and stderr (bounded, see ``output.py``) and ``_init``'s status lines until the
-run ends, the wall-clock deadline passes or the output passes ``kill_output_bytes``; in the last
-two cases the run's process group is SIGKILLed, which in isolated mode takes the whole pid
-namespace with it. What the run hit is read from how it ended (signal, CPU time) and, for limits
-that only make a call fail (memory, processes, open files), from the error text it printed.
+A run is started by the fork server (``_init.py``, through ``spawn.Spawner``) from the run's spec:
+command, environment, uid, rlimits and mounts, all decided here. ``spawn.watch`` then reads the
+command's stdout and stderr (bounded, see ``output.py``) and the run's status lines until the run
+ends, the wall-clock deadline passes or the output passes ``kill_output_bytes``; in the last two
+cases the run's process group is SIGKILLed, which in isolated mode takes the whole pid namespace
+with it. What the run hit is read from how it ended (signal, CPU time) and, for limits that only
+make a call fail (memory, processes, open files), from the error text it printed.
 
 A ``RunResult`` is data: a command that fails, crashes or times out is a normal result. Only a
 failure of the sandbox itself (it could not set up the run) raises ``SandboxError``.
@@ -14,37 +15,32 @@ failure of the sandbox itself (it could not set up the run) raises ``SandboxErro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import marshal
 import os
 import resource
-import selectors
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from prime_composer.config.sandbox import LimitsConfig, SandboxConfig
 from prime_composer.sandbox.output import Capture
+from prime_composer.sandbox.spawn import Spawner, SpawnError, watch
 from prime_composer.sandbox.workspace import UidPool, Workspace
 
 logger = logging.getLogger(__name__)
-
-INIT_SCRIPT = Path(__file__).with_name("_init.py")
 
 # Error texts that show a limit made a call fail (the process itself was not killed).
 _LIMIT_MESSAGES: dict[str, tuple[str, ...]] = {
     "memory": ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory"),
     "processes": ("Resource temporarily unavailable", "BlockingIOError"),
     "open_files": ("Too many open files",),
-    "file_size": ("File too large",),
+    "file_size": ("File too large", "File size limit exceeded"),
 }
 
 
@@ -102,7 +98,6 @@ class _Status:
     max_rss_kb: int | None = None
     exec_error: str | None = None
     setup_error: str | None = None
-    lines: list[str] = field(default_factory=list)
 
     def parse(self, data: bytes) -> None:
         for line in data.decode(errors="replace").splitlines():
@@ -139,6 +134,7 @@ class Sandbox:
         self._hide, self._expose, self._tmp_targets = self._mount_plan(check_root_dir=is_root)
         self._uids = UidPool(self.root_dir / ".uids", config.uid_base, config.num_uids) if is_root else None
         self._executor = ThreadPoolExecutor(config.max_concurrent_runs, thread_name_prefix="sandbox")
+        self._spawner = Spawner()
         self.isolated = False
         reason: str | None = "not running as root (uid separation and namespaces need it)"
         if is_root:
@@ -147,6 +143,7 @@ class Sandbox:
         if not self.isolated:
             self._uids = None
             if not config.allow_unisolated:
+                self.close()
                 raise IsolationUnavailable(
                     f"sandbox: cannot isolate commands here: {reason}. Run as root on Linux with "
                     "namespaces available (unshare), or set sandbox.allow_unisolated = true to run "
@@ -215,6 +212,7 @@ class Sandbox:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        self._spawner.close()
 
     def __enter__(self) -> Sandbox:
         return self
@@ -240,6 +238,11 @@ class Sandbox:
             "PYTHONUNBUFFERED": "1",
             "PYTHONNOUSERSITE": "1",
             "PIP_NO_INPUT": "1",
+            # Thread pools sized to the machine's cores would run into max_processes (threads
+            # count) on a large machine; sandboxed tests get one thread unless extra_env says more.
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
         }
         if (self._python_env / "pyvenv.cfg").is_file():
             env["VIRTUAL_ENV"] = str(self._python_env)
@@ -273,44 +276,31 @@ class Sandbox:
             "tmp_source": str(workspace.tmp),
             "tmp_targets": self._tmp_targets,
             "loopback": self.config.loopback,
-            "parent_pid": os.getpid(),
         }
 
     def _execute(self, spec: dict[str, Any], limits: LimitsConfig, stdin: bytes | None) -> RunResult:
         start = time.monotonic()
-        spec_fd = os.memfd_create("sandbox-spec", os.MFD_CLOEXEC)
-        status_r, status_w = os.pipe2(os.O_CLOEXEC)
         try:
-            os.write(spec_fd, marshal.dumps(spec))
-            os.lseek(spec_fd, 0, os.SEEK_SET)
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", str(INIT_SCRIPT), str(spec_fd), str(status_w)],
-                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=(spec_fd, status_w),
-                start_new_session=True,
-                env={},
-                cwd="/",
-            )
-        except OSError as e:
-            os.close(status_r)
-            raise SandboxError(f"sandbox: cannot start the sandbox process: {e}") from e
-        finally:
-            os.close(spec_fd)
-            os.close(status_w)
+            pgid, pipes = self._spawner.spawn(spec, stdin=bool(stdin))
+        except (SpawnError, OSError) as e:
+            raise SandboxError(f"sandbox: {e}") from e
         stdout, stderr = Capture(limits.max_output_bytes), Capture(limits.max_output_bytes)
-        status = _Status()
-        killed_by = _pump(proc, stdin, stdout, stderr, status, status_r, start, limits)
-        proc.wait()
+        status_lines, killed_by = watch(
+            pgid,
+            pipes,
+            stdin,
+            stdout,
+            stderr,
+            deadline=start + limits.timeout_s,
+            kill_output_bytes=limits.kill_output_bytes,
+        )
         duration = time.monotonic() - start
+        status = _Status()
+        status.parse(status_lines)
         if status.setup_error is not None:
             raise SandboxError(f"sandbox: setting up the run failed: {status.setup_error}")
         if status.exit_code is None and status.signal is None and killed_by is None:
-            raise SandboxError(
-                f"sandbox: the sandbox process ended (status {proc.returncode}) without reporting the "
-                "command's end"
-            )
+            raise SandboxError("sandbox: the run ended without reporting how the command ended")
         if status.exec_error is not None:
             stderr.feed(f"sandbox: cannot execute {status.exec_error}\n".encode())
         return _result(status, stdout, stderr, killed_by, limits, duration, isolated=spec["isolate"])
@@ -358,92 +348,6 @@ class Sandbox:
                     "sandbox; choose a root_dir elsewhere"
                 )
         return hide, expose, tmp_targets
-
-
-def _pump(
-    proc: subprocess.Popen[bytes],
-    stdin: bytes | None,
-    stdout: Capture,
-    stderr: Capture,
-    status: _Status,
-    status_r: int,
-    start: float,
-    limits: LimitsConfig,
-) -> str | None:
-    """Feed stdin, collect output and status until the run ends; returns why it was killed, if it was."""
-    assert proc.stdout is not None and proc.stderr is not None
-    selector = selectors.DefaultSelector()
-    sinks: dict[int, Capture | None] = {
-        proc.stdout.fileno(): stdout,
-        proc.stderr.fileno(): stderr,
-        status_r: None,
-    }
-    for fd in sinks:
-        os.set_blocking(fd, False)
-        selector.register(fd, selectors.EVENT_READ)
-    pending = memoryview(stdin or b"")
-    stdin_fd = -1
-    if stdin:
-        assert proc.stdin is not None
-        stdin_fd = proc.stdin.fileno()
-        os.set_blocking(stdin_fd, False)
-        selector.register(stdin_fd, selectors.EVENT_WRITE)
-    deadline = start + limits.timeout_s
-    status_data = bytearray()
-    killed_by: str | None = None
-    # Once the status pipe closes (the command ended) or the run is killed, every writer is gone
-    # within moments in isolated mode; unisolated, a process that left the group may hold the
-    # pipes open, so stop waiting after a grace period.
-    grace_deadline: float | None = None
-    try:
-        while selector.get_map():
-            now = time.monotonic()
-            if killed_by is None and now >= deadline:
-                killed_by = _kill(proc, "timeout")
-                grace_deadline = now + 2.0
-            if grace_deadline is not None and now >= grace_deadline:
-                break
-            wait = (grace_deadline if grace_deadline is not None else deadline) - now
-            for key, _ in selector.select(timeout=max(wait, 0.0)):
-                fd = int(key.fd)
-                if fd == stdin_fd:
-                    try:
-                        pending = pending[os.write(fd, pending[:65536]) :]
-                    except BrokenPipeError:
-                        pending = pending[:0]
-                    if not pending:
-                        selector.unregister(fd)
-                        assert proc.stdin is not None
-                        proc.stdin.close()
-                    continue
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    selector.unregister(fd)
-                    if fd == status_r and grace_deadline is None:
-                        grace_deadline = time.monotonic() + 2.0
-                    continue
-                sink = sinks[fd]
-                if sink is None:
-                    status_data += chunk
-                    continue
-                sink.feed(chunk)
-                if killed_by is None and stdout.num_bytes + stderr.num_bytes > limits.kill_output_bytes:
-                    killed_by = _kill(proc, "output")
-                    grace_deadline = time.monotonic() + 2.0
-    finally:
-        selector.close()
-        os.close(status_r)
-        for pipe in (proc.stdin, proc.stdout, proc.stderr):
-            if pipe is not None:
-                pipe.close()
-    status.parse(bytes(status_data))
-    return killed_by
-
-
-def _kill(proc: subprocess.Popen[bytes], reason: str) -> str:
-    with contextlib.suppress(ProcessLookupError):  # already gone
-        os.killpg(proc.pid, signal.SIGKILL)
-    return reason
 
 
 def _result(

@@ -137,15 +137,20 @@ class Toolset:
         """The enabled tools in the OpenAI chat-completions ``tools`` format."""
         return [tool.definition() for tool in self.tools.values()]
 
-    def call(self, name: str, arguments: str | None) -> ToolResult:
-        """Run one tool call; never raises for anything in ``name`` or ``arguments``."""
+    def call(self, name: str, arguments: str | dict[str, Any] | None) -> ToolResult:
+        """Run one tool call; never raises for anything in ``name`` or ``arguments``.
+
+        ``arguments`` is the JSON string of the model's tool call (``function.arguments``); an
+        already parsed object is accepted too.
+        """
         start = time.monotonic()
-        outcome = self._dispatch(name, arguments or "")
+        arguments = _as_json(arguments)
+        outcome = self._dispatch(str(name), arguments)
         content, cut = truncate_middle(outcome.content, self.config.max_result_bytes)
         run = outcome.run
         record = ToolCallRecord(
             name=name,
-            arguments=arguments or "",
+            arguments=arguments,
             ok=outcome.error is None,
             error=outcome.error,
             duration_s=time.monotonic() - start,
@@ -156,7 +161,7 @@ class Toolset:
         self.records.append(record)
         return ToolResult(content, record)
 
-    async def call_async(self, name: str, arguments: str | None) -> ToolResult:
+    async def call_async(self, name: str, arguments: str | dict[str, Any] | None) -> ToolResult:
         """``call`` on the sandbox's thread pool."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.sandbox.executor, self.call, name, arguments)
@@ -361,6 +366,15 @@ def format_run(result: RunResult, timeout_s: float) -> str:
     if not result.stdout and not result.stderr:
         parts.append("(no output)")
     return "\n".join(parts)
+
+
+def _as_json(arguments: object) -> str:
+    if arguments is None or isinstance(arguments, str):
+        return arguments or ""
+    try:
+        return json.dumps(arguments)
+    except (TypeError, ValueError):
+        return str(arguments)  # not JSON: reported as invalid_json
 
 
 def _validate(tool: _Tool, args: Any) -> None:
