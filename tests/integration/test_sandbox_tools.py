@@ -4,6 +4,7 @@ depend on the workspace's uid (hard links out, ownership of what the tools creat
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -162,3 +163,19 @@ def test_concurrent_calls_from_many_episodes(sandbox: Sandbox, task: Path) -> No
         assert lines[:3] == ["Exit code: 0", "stdout:", str(index)]
         uids.add(lines[3])
     assert len(uids) == 16
+
+
+def test_calls_of_one_episode_never_overlap(sandbox: Sandbox, workspace: Workspace) -> None:
+    # Several tool calls of one reply, run concurrently by a harness, still take turns: the file
+    # tools must never run while a sandboxed process of the same workspace is alive.
+    tools = Toolset(sandbox, workspace, test_command=TEST_COMMAND)
+    command = json.dumps({"command": "date +%s.%N; sleep 0.5; date +%s.%N"})
+
+    async def main() -> list[str]:
+        return [
+            r.content for r in await asyncio.gather(*(tools.call_async("run", command) for _ in range(3)))
+        ]
+
+    spans = sorted(tuple(map(float, content.splitlines()[2:4])) for content in asyncio.run(main()))
+    for (_, end), (next_start, _) in itertools.pairwise(spans):
+        assert next_start >= end

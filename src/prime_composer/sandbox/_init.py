@@ -196,7 +196,7 @@ def _start_command(libc, spec: dict, status_fd: int) -> int:
         for sig in (signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL)
         os.chdir(spec["cwd"])
-    except (OSError, SetupError) as e:
+    except Exception as e:
         _report(status_fd, "setup_error", f"preparing the command: {e}")
         os._exit(126)
     argv = spec["argv"]

@@ -9,8 +9,8 @@ would cost ~30 ms for microseconds of work. What keeps that safe:
   to a file outside (same file system) is refused too, and created files and folders are handed
   to that uid;
 - only regular files are opened, with ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO cannot block us);
-- in isolated mode no sandboxed process outlives its run, so nothing can swap a path between the
-  check and the open while a tool runs.
+- in isolated mode no sandboxed process outlives its run, and ``Toolset`` runs one call at a time
+  per workspace, so nothing can swap a path between the check and the open while a tool runs.
 
 Errors the model should see are ``ToolError``s with a kind and a message that says what to do.
 """

@@ -175,11 +175,13 @@ def watch(
         selector.register(pipes.stdin, selectors.EVENT_WRITE)
     status = bytearray()
     killed_by: str | None = None
+    # Set once the status pipe closes (the run reported its end) or the run is killed. From then
+    # on the run is not killed again: its process group may be gone and its id reused.
     grace_deadline: float | None = None
     try:
         while selector.get_map():
             now = time.monotonic()
-            if killed_by is None and now >= deadline:
+            if grace_deadline is None and now >= deadline:
                 kill_group(pgid)
                 killed_by, grace_deadline = "timeout", now + KILL_GRACE_S
             if grace_deadline is not None and now >= grace_deadline:
@@ -208,7 +210,7 @@ def watch(
                     status += chunk
                     continue
                 sink.feed(chunk)
-                if killed_by is None and stdout.num_bytes + stderr.num_bytes > kill_output_bytes:
+                if grace_deadline is None and stdout.num_bytes + stderr.num_bytes > kill_output_bytes:
                     kill_group(pgid)
                     killed_by, grace_deadline = "output", time.monotonic() + KILL_GRACE_S
     finally:

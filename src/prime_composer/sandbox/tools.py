@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -128,6 +129,7 @@ class Toolset:
         self.config = config = config or ToolsConfig()
         self.test_command = test_command
         self.records: list[ToolCallRecord] = []
+        self._lock = threading.Lock()
         if "run_tests" in config.enabled and not test_command:
             raise ValueError("tools: run_tests is enabled but the task has no test command")
         tools = {tool.name: tool for tool in self._all_tools()}
@@ -145,7 +147,10 @@ class Toolset:
         """
         start = time.monotonic()
         arguments = _as_json(arguments)
-        outcome = self._dispatch(str(name), arguments)
+        # One call at a time per workspace, also when a reply holds several tool calls run
+        # concurrently: the file tools rely on no sandboxed process running while they work.
+        with self._lock:
+            outcome = self._dispatch(str(name), arguments)
         content, cut = truncate_middle(outcome.content, self.config.max_result_bytes)
         run = outcome.run
         record = ToolCallRecord(
