@@ -86,6 +86,7 @@ def test_runs_as_the_workspace_user_without_privileges(sandbox: Sandbox, workspa
 
 
 def test_only_the_workspace_and_its_tmp_are_writable(sandbox: Sandbox, workspace: Workspace) -> None:
+    tag = secrets.token_hex(4)
     with sandbox.workspace() as other:
         (other.path / "theirs.txt").write_text("other episode")
         targets = [
@@ -106,7 +107,7 @@ def test_only_the_workspace_and_its_tmp_are_writable(sandbox: Sandbox, workspace
             "        open(path, 'w').write('x'); out[path] = 'written'\n"
             "    except OSError as e:\n"
             "        out[path] = e.strerror\n"
-            "for path in ['work.txt', '/tmp/t.txt', '/var/tmp/v.txt', '/dev/shm/s.txt']:\n"
+            f"for path in ['work.txt', '/tmp/t{tag}', '/var/tmp/v{tag}', '/dev/shm/s{tag}']:\n"
             "    open(path, 'w').write(path); out[path] = 'written'\n"
             "try:\n"
             f"    open({str(other.path / 'theirs.txt')!r}).read(); out['read other'] = 'read'\n"
@@ -122,9 +123,10 @@ def test_only_the_workspace_and_its_tmp_are_writable(sandbox: Sandbox, workspace
             assert not Path(target).exists()
         assert out["read other"] == "Permission denied"
     # The private tmp folders are the workspace's own tmp/, not the machine's.
-    assert sorted(p.name for p in workspace.tmp.iterdir()) == ["s.txt", "t.txt", "v.txt"]
+    assert sorted(p.name for p in workspace.tmp.iterdir()) == [f"s{tag}", f"t{tag}", f"v{tag}"]
     assert (workspace.path / "work.txt").read_text() == "work.txt"
-    assert not Path("/tmp/t.txt").exists() and not Path("/dev/shm/s.txt").exists()
+    for host_path in (f"/tmp/t{tag}", f"/var/tmp/v{tag}", f"/dev/shm/s{tag}"):
+        assert not Path(host_path).exists()
 
 
 def test_hidden_folders_are_empty_and_exposed_ones_read_only(
