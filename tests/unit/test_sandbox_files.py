@@ -14,7 +14,7 @@ import pytest
 
 from prime_composer.sandbox import files
 from prime_composer.sandbox.files import ToolError
-from prime_composer.sandbox.workspace import Workspace
+from prime_composer.sandbox.workspace import IdPool, Workspace
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def workspace(tmp_path: Path) -> Workspace:
     (tmp_path / "outside.txt").write_text("secret\n")
     root = tmp_path / "root"
     root.mkdir()
-    ws = Workspace.create(root, source, pool=None)
+    ws = Workspace.create(root, source, IdPool(root / ".ids", base=1000, size=8), own_uid=False)
     yield ws
     ws.close()
 
@@ -174,3 +174,22 @@ def test_close_removes_folders_without_permissions(workspace: Workspace) -> None
     os.chmod(locked, 0)
     workspace.close()
     assert not workspace.root.exists()
+
+
+def test_ids_are_exclusive_and_stale_folders_are_swept(tmp_path: Path) -> None:
+    pool = IdPool(tmp_path / ".ids", base=1000, size=2)
+    first, second = (
+        Workspace.create(tmp_path, None, pool, own_uid=False),
+        Workspace.create(tmp_path, None, pool, own_uid=False),
+    )
+    ids = {ws.root.name.split("-")[0] for ws in (first, second)}
+    assert ids == {"1000", "1001"}
+    with pytest.raises(RuntimeError, match="all 2 workspace ids"):
+        Workspace.create(tmp_path, None, pool, own_uid=False)
+    # A folder whose id is held is live; one whose id is free was left by a crashed process.
+    stale = tmp_path / "1001-deadbeef"
+    second.close()
+    stale.mkdir()
+    assert IdPool(tmp_path / ".ids", base=1000, size=2).sweep(tmp_path) == 1
+    assert first.root.exists() and not stale.exists()
+    first.close()

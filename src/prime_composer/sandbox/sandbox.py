@@ -31,7 +31,7 @@ from typing import Any
 from prime_composer.config.sandbox import LimitsConfig, SandboxConfig
 from prime_composer.sandbox.output import Capture
 from prime_composer.sandbox.spawn import Spawner, SpawnError, watch
-from prime_composer.sandbox.workspace import UidPool, Workspace
+from prime_composer.sandbox.workspace import IdPool, Workspace
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,8 @@ class Sandbox:
         self.root_dir = self.root_dir.resolve()
         self._python_env = Path(config.python_env or sys.prefix)
         self._hide, self._expose, self._tmp_targets = self._mount_plan(check_root_dir=is_root)
-        self._uids = UidPool(self.root_dir / ".uids", config.uid_base, config.num_uids) if is_root else None
+        self._ids = IdPool(self.root_dir / ".uids", config.uid_base, config.num_uids)
+        self._ids.sweep(self.root_dir)
         self._executor = ThreadPoolExecutor(config.max_concurrent_runs, thread_name_prefix="sandbox")
         self._spawner = Spawner()
         self.isolated = False
@@ -141,7 +142,6 @@ class Sandbox:
             reason = self._probe()
             self.isolated = reason is None
         if not self.isolated:
-            self._uids = None
             if not config.allow_unisolated:
                 self.close()
                 raise IsolationUnavailable(
@@ -163,7 +163,9 @@ class Sandbox:
 
     def workspace(self, source: Path | str | None = None) -> Workspace:
         """A fresh workspace holding a copy of ``source`` (a folder), or an empty one."""
-        return Workspace.create(self.root_dir, None if source is None else Path(source), self._uids)
+        return Workspace.create(
+            self.root_dir, None if source is None else Path(source), self._ids, own_uid=self.isolated
+        )
 
     # -- running --------------------------------------------------------------------------
 
@@ -308,7 +310,7 @@ class Sandbox:
     def _probe(self) -> str | None:
         """``None`` if an isolated run works here, else why not."""
         try:
-            with self.workspace() as workspace:
+            with Workspace.create(self.root_dir, None, self._ids, own_uid=True) as workspace:
                 spec = self._spec(
                     workspace, ["/bin/true"], self.config.limits, str(workspace.path), isolate=True
                 )

@@ -2,16 +2,18 @@
 
 Layout under ``root_dir`` (mode 0711, owned by this process's user)::
 
-    <uid>-<token>/          one episode (0711)
-        work/               the task's files; cwd and HOME of every run (0700, owned by uid)
+    <id>-<token>/           one episode (0711)
+        work/               the task's files; cwd and HOME of every run (0700, owned by the uid)
         tmp/                mounted on /tmp, /var/tmp, /dev/shm inside the sandbox (0700, uid)
-    .uids/<uid>             lock files: a workspace holds an exclusive ``flock`` on its uid's file
+    .uids/<id>              lock files: a workspace holds an exclusive ``flock`` on its id's file
 
-In isolated mode each live workspace has its own user id from ``[uid_base, uid_base + num_uids)``,
-taken by locking ``.uids/<uid>`` (works across threads and processes; a crashed process's locks
-are released by the kernel). Its processes and threads are what ``RLIMIT_NPROC`` counts, and
-other workspaces' folders are closed to it (0700). When a uid is taken, folders left under it by
-a crashed process are deleted first. In unisolated mode files belong to this process's user.
+Each live workspace holds an id from ``[uid_base, uid_base + num_uids)``, taken by locking
+``.uids/<id>`` (works across threads and processes; a crashed process's locks are released by
+the kernel). In isolated mode the id is the uid its files belong to and its commands run as: its
+processes and threads are what ``RLIMIT_NPROC`` counts, and other workspaces' folders are closed
+to it (0700). Unisolated, files belong to this process's user and the id only names the folder.
+A folder whose id nobody holds was left by a crashed process: ``IdPool.sweep`` (at ``Sandbox``
+start) and taking that id again delete it.
 
 ``Workspace.resolve`` is the one place that turns a path from the model into a real path; it
 refuses anything whose real path (symlinks resolved) is outside ``work/``.
@@ -32,31 +34,58 @@ class PathOutsideWorkspace(ValueError):
     """A path from the model resolves (symlinks included) to a place outside the workspace."""
 
 
-class UidPool:
-    """Exclusive user ids for workspaces, held as ``flock``s on files under ``<root_dir>/.uids``."""
+class IdPool:
+    """Exclusive workspace ids, held as ``flock``s on files under ``<root_dir>/.uids``.
+
+    In isolated mode the id is the workspace's uid; unisolated, it only names and guards the folder.
+    """
 
     def __init__(self, lock_dir: Path, base: int, size: int) -> None:
         self.lock_dir, self.base, self.size = lock_dir, base, size
         lock_dir.mkdir(mode=0o700, exist_ok=True)
-        # Start each search where the last one ended, so a busy pool is not rescanned from base.
+        # Each search starts one past where the previous one started, so a busy pool is not
+        # rescanned from the base every time; the random origin spreads processes apart.
         self._next = itertools.count(secrets.randbelow(size))
 
+    def try_acquire(self, ident: int) -> int | None:
+        """The open lock file holding ``ident`` (close it to release), or ``None`` if it is taken."""
+        fd = os.open(self.lock_dir / str(ident), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
     def acquire(self) -> tuple[int, int]:
-        """A free uid and the open lock file holding it (close the fd to release it)."""
+        """A free id and the open lock file holding it."""
         start = next(self._next)
         for i in range(self.size):
-            uid = self.base + (start + i) % self.size
-            fd = os.open(self.lock_dir / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            return uid, fd
+            ident = self.base + (start + i) % self.size
+            fd = self.try_acquire(ident)
+            if fd is not None:
+                return ident, fd
         raise RuntimeError(
-            f"sandbox: all {self.size} workspace user ids from {self.base} are in use; "
+            f"sandbox: all {self.size} workspace ids from {self.base} are in use; "
             "close workspaces you are done with or raise sandbox.num_uids"
         )
+
+    def sweep(self, root_dir: Path) -> int:
+        """Delete workspace folders whose id nobody holds (left by a crashed process); how many."""
+        removed = 0
+        for entry in root_dir.iterdir():
+            ident, sep, _ = entry.name.partition("-")
+            if not sep or not ident.isdigit() or not entry.is_dir():
+                continue
+            fd = self.try_acquire(int(ident))
+            if fd is None:
+                continue
+            try:
+                _remove_tree(entry)
+                removed += 1
+            finally:
+                os.close(fd)
+        return removed
 
 
 class Workspace:
@@ -66,25 +95,28 @@ class Workspace:
     which deletes the files and frees the uid.
     """
 
-    def __init__(self, root: Path, uid: int | None, uid_lock_fd: int | None) -> None:
+    def __init__(self, root: Path, uid: int | None, id_lock_fd: int) -> None:
         self.root = root
         self.path = root / "work"
         self.tmp = root / "tmp"
         self.uid = uid
-        self._uid_lock_fd = uid_lock_fd
+        self._id_lock_fd: int | None = id_lock_fd
         self.closed = False
 
     @classmethod
-    def create(cls, root_dir: Path, source: Path | None, pool: UidPool | None) -> Workspace:
-        """A new workspace under ``root_dir`` holding a copy of ``source`` (an empty one if ``None``)."""
+    def create(cls, root_dir: Path, source: Path | None, pool: IdPool, *, own_uid: bool) -> Workspace:
+        """A new workspace under ``root_dir`` holding a copy of ``source`` (an empty one if ``None``).
+
+        With ``own_uid`` (isolated mode) its files belong to the uid it takes from ``pool``.
+        """
         if source is not None and not Path(source).is_dir():
             raise ValueError(f"sandbox: workspace source {str(source)!r} is not a folder")
-        uid, fd = pool.acquire() if pool is not None else (None, None)
+        ident, fd = pool.acquire()
+        uid = ident if own_uid else None
         try:
-            if uid is not None:
-                for stale in root_dir.glob(f"{uid}-*"):
-                    _remove_tree(stale)
-            root = root_dir / f"{uid if uid is not None else 'ws'}-{secrets.token_hex(6)}"
+            for stale in root_dir.glob(f"{ident}-*"):
+                _remove_tree(stale)
+            root = root_dir / f"{ident}-{secrets.token_hex(6)}"
             root.mkdir(mode=0o711)
             workspace = cls(root.resolve(), uid, fd)
             if source is not None:
@@ -98,8 +130,9 @@ class Workspace:
             for top in (workspace.path, workspace.tmp):
                 os.chmod(top, 0o700)
         except BaseException:
-            if fd is not None:
-                os.close(fd)
+            for partial in root_dir.glob(f"{ident}-*"):  # a half-made copy, e.g. the disk is full
+                _remove_tree(partial)
+            os.close(fd)
             raise
         return workspace
 
@@ -130,9 +163,9 @@ class Workspace:
             return
         self.closed = True
         _remove_tree(self.root)
-        if self._uid_lock_fd is not None:
-            os.close(self._uid_lock_fd)
-            self._uid_lock_fd = None
+        if self._id_lock_fd is not None:
+            os.close(self._id_lock_fd)
+            self._id_lock_fd = None
 
     def __enter__(self) -> Workspace:
         return self
