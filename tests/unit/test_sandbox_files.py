@@ -187,7 +187,7 @@ def test_ids_are_exclusive_and_stale_folders_are_swept(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="all 2 workspace ids"):
         Workspace.create(tmp_path, None, pool, own_uid=False)
     # A folder whose id is held is live; one whose id is free was left by a crashed process.
-    stale = tmp_path / "1001-deadbeef"
+    stale = tmp_path / f"{second.root.name.split('-')[0]}-deadbeef"
     second.close()
     stale.mkdir()
     assert IdPool(tmp_path / ".ids", base=1000, size=2).sweep(tmp_path) == 1
