@@ -1,0 +1,183 @@
+"""Config of the sandbox that runs untrusted code (tool calls, tests) and of the coding tools on it.
+
+``SandboxConfig`` says where workspaces live, how a run is isolated and which limits a run gets;
+``LimitsConfig`` is one set of per-run limits (tool calls and test runs get their own);
+``ToolsConfig`` says which tools an environment exposes and how much output the model sees.
+The mechanism behind these fields is described in ``prime_composer.sandbox``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from prime_composer.config.base import BaseConfig
+
+ToolName = Literal["list_files", "read_file", "search", "write_file", "edit_file", "run", "run_tests"]
+"""Names of the tools ``prime_composer.sandbox.tools`` implements."""
+
+ALL_TOOLS: tuple[ToolName, ...] = (
+    "list_files",
+    "read_file",
+    "search",
+    "write_file",
+    "edit_file",
+    "run",
+    "run_tests",
+)
+
+
+class LimitsConfig(BaseConfig):
+    """Limits of one sandboxed run; a run that hits one is stopped or fails, and its result says which."""
+
+    timeout_s: float = Field(default=30.0, gt=0)
+    """Wall-clock limit; the whole process tree is killed when it passes."""
+
+    cpu_s: int = Field(default=30, ge=1)
+    """CPU seconds per process (``RLIMIT_CPU``): SIGXCPU at the limit, SIGKILL one second later."""
+
+    memory_mb: int = Field(default=2048, ge=16)
+    """Address space per process in MiB (``RLIMIT_AS``); allocations beyond it fail. It counts
+    reserved, not resident, memory: programs that map large regions up front (CUDA libraries,
+    JAX) need more than they use."""
+
+    max_processes: int = Field(default=64, ge=1)
+    """Processes and threads of the workspace's user at once (``RLIMIT_NPROC``); ``fork`` beyond it
+    fails. Enforced only in isolated mode, where every workspace has its own user id."""
+
+    max_file_mb: int = Field(default=64, ge=1)
+    """Largest file a process may write, in MiB (``RLIMIT_FSIZE``); writing past it kills it (SIGXFSZ)."""
+
+    max_open_files: int = Field(default=256, ge=16)
+    """Open file descriptors per process (``RLIMIT_NOFILE``)."""
+
+    max_output_bytes: int = Field(default=65536, ge=256)
+    """Bytes of stdout and of stderr kept per run (the first and last halves); the rest is replaced
+    by a marker saying how many bytes were cut."""
+
+    kill_output_bytes: int = Field(default=16 * 2**20, ge=1024)
+    """Total bytes a run may write to stdout + stderr before it is killed (an endless writer would
+    otherwise run until ``timeout_s``)."""
+
+    @model_validator(mode="after")
+    def _check_output(self) -> LimitsConfig:
+        if self.kill_output_bytes < self.max_output_bytes:
+            raise ValueError(
+                f"kill_output_bytes ({self.kill_output_bytes}) is below max_output_bytes "
+                f"({self.max_output_bytes}); raise kill_output_bytes or lower max_output_bytes"
+            )
+        return self
+
+
+class SandboxConfig(BaseConfig):
+    """Where workspaces live and how each run is isolated."""
+
+    root_dir: Path | None = None
+    """Folder holding one sub-folder per workspace; ``None`` is ``/var/lib/prime-composer/sandbox``
+    when running as root, else ``<tmp>/prime-composer-sandbox``. It must not lie under
+    ``hidden_paths`` or ``private_tmp_paths`` (those are replaced inside the sandbox)."""
+
+    allow_unisolated: bool = False
+    """Run anyway when isolation is impossible (not root, or no namespaces): commands then run as
+    this user with the network, rlimits only and no process-count limit. Only for trusted code;
+    a loud warning is logged."""
+
+    loopback: bool = True
+    """Bring up the loopback interface inside the sandbox's empty network namespace, so tests can
+    use 127.0.0.1 between their own processes; nothing outside the run is reachable either way."""
+
+    uid_base: int = Field(default=2_000_000, ge=1000)
+    """First user id given to workspaces (isolated mode); each live workspace gets its own, which
+    is what makes ``max_processes`` per workspace. Ids need no ``/etc/passwd`` entry."""
+
+    num_uids: int = Field(default=4096, ge=1)
+    """Size of the user id range, i.e. the most workspaces alive at once on this machine."""
+
+    hidden_paths: list[Path] = Field(default_factory=lambda: [Path("/root"), Path("/home"), Path("/run")])
+    """Folders replaced by an empty read-only folder inside the sandbox (home folders, sockets of
+    local services). Paths that do not exist are skipped."""
+
+    exposed_paths: list[Path] = Field(default_factory=list)
+    """Folders under ``hidden_paths`` made visible again, read-only, at the same path. The Python
+    environment (``python_env`` and its base interpreter) is always added."""
+
+    private_tmp_paths: list[Path] = Field(
+        default_factory=lambda: [Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")]
+    )
+    """World-writable folders replaced by the workspace's own temporary folder, so nothing outside
+    the workspace is writable and episodes cannot see each other's files."""
+
+    python_env: Path | None = None
+    """Python environment (a venv or an installation prefix) whose ``bin`` comes first on ``PATH``
+    inside the sandbox, so ``python -m pytest`` uses it; ``None`` is the environment running this
+    process (``sys.prefix``)."""
+
+    path: list[str] = Field(default_factory=lambda: ["/usr/local/bin", "/usr/bin", "/bin"])
+    """Folders on ``PATH`` after ``<python_env>/bin``."""
+
+    extra_env: dict[str, str] = Field(default_factory=dict)
+    """Variables added to the sandbox's fixed minimal environment (never secrets: the sandboxed
+    code can read them). Nothing else is inherited from this process."""
+
+    max_concurrent_runs: int = Field(default=16, ge=1)
+    """Runs at once through ``Sandbox.run_async`` (a thread pool of this size)."""
+
+    limits: LimitsConfig = LimitsConfig()
+    """Limits of one tool call (``run``, ``search``)."""
+
+    test_limits: LimitsConfig = LimitsConfig(timeout_s=300.0, cpu_s=300, max_processes=256)
+    """Limits of one test run (``run_tests``)."""
+
+    @model_validator(mode="after")
+    def _check_paths(self) -> SandboxConfig:
+        if self.root_dir is not None:
+            root = Path(self.root_dir)
+            if not root.is_absolute():
+                raise ValueError(f"root_dir must be an absolute path, got {str(root)!r}")
+            for field in ("hidden_paths", "private_tmp_paths"):
+                for covered in getattr(self, field):
+                    if root == covered or covered in root.parents:
+                        raise ValueError(
+                            f"root_dir {str(root)!r} lies under {field} entry {str(covered)!r}, which is "
+                            "replaced inside the sandbox; choose a root_dir elsewhere"
+                        )
+        for field in ("hidden_paths", "exposed_paths", "private_tmp_paths"):
+            for path in getattr(self, field):
+                if not Path(path).is_absolute():
+                    raise ValueError(f"{field} entries must be absolute paths, got {str(path)!r}")
+        if self.uid_base + self.num_uids > 2**32 - 2:
+            raise ValueError("uid_base + num_uids must stay below 2**32 - 1")
+        return self
+
+
+class ToolsConfig(BaseConfig):
+    """Which coding tools an environment exposes and how much of their output the model sees."""
+
+    enabled: list[ToolName] = Field(default_factory=lambda: list(ALL_TOOLS))
+    """Tools offered to the model, in this order."""
+
+    max_result_bytes: int = Field(default=16384, ge=256)
+    """Bytes of one tool result the model sees; longer results keep their first and last halves
+    around a marker saying how much was cut."""
+
+    max_read_lines: int = Field(default=500, ge=1)
+    """Most lines ``read_file`` returns in one call (the model pages with ``start_line``)."""
+
+    max_list_entries: int = Field(default=1000, ge=1)
+    """Most paths ``list_files`` returns."""
+
+    max_search_matches: int = Field(default=200, ge=1)
+    """Most matching lines ``search`` returns."""
+
+    list_skip_dirs: list[str] = Field(
+        default_factory=lambda: [".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"]
+    )
+    """Folder names whose contents ``list_files`` and ``search`` leave out."""
+
+    @model_validator(mode="after")
+    def _check_enabled(self) -> ToolsConfig:
+        if len(set(self.enabled)) != len(self.enabled):
+            raise ValueError(f"enabled lists a tool twice: {self.enabled}")
+        return self

@@ -1,0 +1,194 @@
+"""Every limit of a sandboxed run, hit on purpose: the run ends or fails the way the limit says,
+its result names the limit, and nothing of it survives the run."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prime_composer.config.sandbox import LimitsConfig, SandboxConfig
+from prime_composer.sandbox import Sandbox, Workspace
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="isolated runs need root")
+
+LIMITS = LimitsConfig(
+    timeout_s=10,
+    cpu_s=5,
+    memory_mb=256,
+    max_processes=16,
+    max_file_mb=1,
+    max_open_files=32,
+    max_output_bytes=1000,
+    kill_output_bytes=200_000,
+)
+
+
+def with_limits(**changes: object) -> LimitsConfig:
+    return LIMITS.model_copy(update=changes)
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Iterator[Sandbox]:
+    with Sandbox(SandboxConfig(limits=LIMITS)) as sandbox:
+        assert sandbox.isolated
+        yield sandbox
+
+
+@pytest.fixture
+def workspace(sandbox: Sandbox) -> Iterator[Workspace]:
+    with sandbox.workspace() as workspace:
+        yield workspace
+
+
+def processes_of(uid: int) -> list[int]:
+    """Pids of live (not zombie) processes whose real uid is ``uid``, read from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith("Z"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_wall_clock_timeout_kills_the_tree_with_a_sleeping_grandchild(
+    sandbox: Sandbox, workspace: Workspace
+) -> None:
+    # The grandchild starts its own session, so killing the process group alone would miss it.
+    script = "setsid sh -c 'sleep 3; touch escaped' & sleep 100"
+    result = sandbox.run(workspace, script, limits=with_limits(timeout_s=1))
+    assert result.timed_out and result.killed_by == "timeout" and result.limits_hit == ("timeout",)
+    assert result.exit_code is None and result.signal == "SIGKILL"
+    assert 1.0 <= result.duration_s < 5
+    assert assert_no_processes_left(workspace)
+    time.sleep(3.5)
+    assert not (workspace.path / "escaped").exists()
+
+
+def test_background_processes_end_with_the_command(sandbox: Sandbox, workspace: Workspace) -> None:
+    result = sandbox.run(workspace, "setsid sh -c 'sleep 2; touch escaped' & echo started")
+    assert result.exit_code == 0 and result.stdout == "started\n"
+    assert assert_no_processes_left(workspace)
+    time.sleep(2.5)
+    assert not (workspace.path / "escaped").exists()
+
+
+def assert_no_processes_left(workspace: Workspace) -> bool:
+    assert workspace.uid is not None
+    deadline = time.monotonic() + 2
+    while processes_of(workspace.uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_of(workspace.uid) == []
+    return True
+
+
+def test_fork_bomb_is_held_by_the_process_limit_and_cleaned_up(
+    sandbox: Sandbox, workspace: Workspace
+) -> None:
+    result = sandbox.run(
+        workspace, "bomb() { bomb | bomb & }; bomb; sleep 30", limits=with_limits(timeout_s=2)
+    )
+    assert result.timed_out
+    assert "processes" in result.limits_hit
+    assert "Resource temporarily unavailable" in result.stderr
+    assert assert_no_processes_left(workspace)
+
+
+def test_process_limit_counts_processes_of_the_workspace(sandbox: Sandbox, workspace: Workspace) -> None:
+    script = (
+        "import os, time\n"
+        "forked = 0\n"
+        "try:\n"
+        "    for _ in range(40):\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(2); os._exit(0)\n"
+        "        forked += 1\n"
+        "finally:\n"
+        "    print(forked, flush=True)\n"
+    )
+    result = sandbox.run(workspace, ["python", "-c", script], limits=with_limits(max_processes=8))
+    assert result.exit_code == 1 and "processes" in result.limits_hit
+    assert "BlockingIOError" in result.stderr
+    # 8 tasks for the uid: this python and 7 children.
+    assert int(result.stdout) == 7
+
+
+def test_memory_limit_makes_large_allocations_fail(sandbox: Sandbox, workspace: Workspace) -> None:
+    small = sandbox.run(workspace, ["python", "-c", "x = bytearray(64 * 2**20); print(len(x))"])
+    assert small.exit_code == 0 and small.stdout == f"{64 * 2**20}\n"
+    big = sandbox.run(workspace, ["python", "-c", "x = bytearray(512 * 2**20)"])
+    assert big.exit_code == 1 and "MemoryError" in big.stderr
+    assert big.limits_hit == ("memory",)
+
+
+def test_cpu_limit_kills_a_busy_loop(sandbox: Sandbox, workspace: Workspace) -> None:
+    result = sandbox.run(workspace, ["python", "-c", "while True: pass"], limits=with_limits(cpu_s=1))
+    assert result.killed_by == "cpu" and result.limits_hit == ("cpu",)
+    assert result.signal in ("SIGXCPU", "SIGKILL") and not result.timed_out
+    assert result.cpu_s is not None and result.cpu_s >= 0.9
+    assert result.duration_s < LIMITS.timeout_s
+
+
+def test_file_size_limit(sandbox: Sandbox, workspace: Workspace) -> None:
+    # A program that does not handle SIGXFSZ dies of it; the file stops at the limit.
+    killed = sandbox.run(workspace, "exec head -c 3000000 /dev/zero > big")
+    assert killed.signal == "SIGXFSZ" and killed.killed_by == "file_size"
+    assert (workspace.path / "big").stat().st_size == 2**20
+    # Python ignores SIGXFSZ and gets EFBIG instead.
+    python = sandbox.run(workspace, ["python", "-c", "open('big2', 'wb').write(bytes(2 * 2**20))"])
+    assert python.exit_code == 1 and "File too large" in python.stderr
+    assert python.limits_hit == ("file_size",)
+
+
+def test_open_files_limit(sandbox: Sandbox, workspace: Workspace) -> None:
+    few = sandbox.run(workspace, ["python", "-c", "fs = [open('/dev/null') for _ in range(20)]"])
+    assert few.exit_code == 0
+    many = sandbox.run(workspace, ["python", "-c", "fs = [open('/dev/null') for _ in range(100)]"])
+    assert many.exit_code == 1 and many.limits_hit == ("open_files",)
+
+
+def test_output_is_truncated_with_a_marker(sandbox: Sandbox, workspace: Workspace) -> None:
+    result = sandbox.run(workspace, ["seq", "1", "20000"])
+    expected = "".join(f"{i}\n" for i in range(1, 20001))
+    assert result.exit_code == 0 and result.limits_hit == ("output",)
+    assert result.stdout_bytes == len(expected)
+    assert result.stdout.startswith(expected[:500]) and result.stdout.endswith(expected[-500:])
+    assert f"[... {len(expected) - 1000} bytes cut: output is limited to 1000 bytes ...]" in result.stdout
+
+
+def test_endless_output_is_killed(sandbox: Sandbox, workspace: Workspace) -> None:
+    result = sandbox.run(workspace, ["yes"], limits=with_limits(timeout_s=30))
+    assert result.killed_by == "output" and not result.timed_out
+    assert result.stdout_bytes > LIMITS.kill_output_bytes
+    assert result.duration_s < 10
+    assert assert_no_processes_left(workspace)
+
+
+def test_crashes_and_exit_codes_are_results(sandbox: Sandbox, workspace: Workspace) -> None:
+    segv = sandbox.run(workspace, ["python", "-c", "import ctypes; ctypes.string_at(0)"])
+    assert segv.exit_code is None and segv.signal == "SIGSEGV" and segv.killed_by is None
+    code = sandbox.run(workspace, "echo out; echo err >&2; exit 3")
+    assert (code.exit_code, code.stdout, code.stderr) == (3, "out\n", "err\n")
+    missing = sandbox.run(workspace, ["no-such-program"])
+    assert missing.exit_code == 127 and "cannot execute no-such-program" in missing.stderr
+
+
+def test_stdin_is_fed(sandbox: Sandbox, workspace: Workspace) -> None:
+    data = os.urandom(300_000)  # more than a pipe buffer, so writing and reading must interleave
+    result = sandbox.run(
+        workspace,
+        ["python", "-c", "import sys, hashlib; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())"],
+        stdin=data,
+    )
+    import hashlib
+
+    assert result.stdout.strip() == hashlib.sha256(data).hexdigest()
