@@ -36,7 +36,7 @@ from prime_composer.metrics import MetricsLogger
 from prime_composer.orchestrator.envs import LoadedEnv
 from prime_composer.orchestrator.packing import GroupPacker, pack_step
 from prime_composer.orchestrator.policy import PolicySync
-from prime_composer.orchestrator.rollout import RolloutRunner
+from prime_composer.orchestrator.rollout import API_KEY_VAR, RolloutRunner
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.hints import HintBuilder
 from prime_composer.orchestrator.sdpo.packing import SDPOPacker
@@ -130,6 +130,8 @@ class Orchestrator:
                     model=config.model.name,
                     sampling=config.sampling,
                     rollout=config.rollout,
+                    # With a secret every route of the server needs it, generation included.
+                    api_key_var=config.inference_secret_env or API_KEY_VAR,
                 ) as runner,
                 RolloutStream(
                     config, self.state, self._draw_group, self._group_runner(runner), policy
