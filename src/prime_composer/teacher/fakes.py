@@ -13,14 +13,13 @@ misbehaves:
     no_json   answers 200 with a message whose content holds no JSON action
     flaky     fails the first ``fail_first`` requests with 503, then answers normally
 
-Every request is appended to ``app.state.requests`` (the messages and the time), so tests can
-count what reached the endpoint. Serve it with ``prime_composer.inference.local.running_app``.
+Every request is appended to ``app.state.requests`` (time, prompt hash, model, authorization
+header), so tests can count what reached the endpoint. Serve it with ``prime_composer.inference.local.running_app``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -28,6 +27,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+
+from prime_composer.teacher.prompts import prompt_hash
 
 Policy = Callable[[list[dict[str, str]]], dict[str, Any]]
 
@@ -38,8 +39,8 @@ def fixed(action: dict[str, Any]) -> Policy:
 
 
 def messages_key(messages: list[dict[str, str]]) -> str:
-    """A stable id of a request's messages (what a test can look answers up by)."""
-    return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
+    """A request's ``prompts.prompt_hash`` (what the response cache stores as ``prompt_hash``)."""
+    return prompt_hash(messages)
 
 
 def fake_teacher_app(
@@ -57,7 +58,14 @@ def fake_teacher_app(
     async def chat(request: Request) -> Response:
         body = await request.json()
         messages = body["messages"]
-        app.state.requests.append({"time": time.time(), "key": messages_key(messages), "model": body.get("model")})
+        app.state.requests.append(
+            {
+                "time": time.time(),
+                "key": messages_key(messages),
+                "model": body.get("model"),
+                "authorization": request.headers.get("authorization"),
+            }
+        )
         number = len(app.state.requests)
         if fault in ("timeout", "slow"):
             await asyncio.sleep(delay_s)
