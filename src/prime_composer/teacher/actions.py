@@ -229,7 +229,7 @@ def render_action(action: Action) -> str:
         return action.message or ""
     return "\n".join(
         "<tool_call>\n"
-        + json.dumps({"name": c.name, "arguments": c.arguments}, sort_keys=True, ensure_ascii=False)
+        + json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False)
         + "\n</tool_call>"
         for c in action.calls
     )

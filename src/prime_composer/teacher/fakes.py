@@ -72,12 +72,18 @@ def fake_teacher_app(
         if fault == "500":
             return JSONResponse({"error": {"message": "internal error"}}, status_code=500)
         if fault == "429":
-            return JSONResponse({"error": {"message": "rate limited"}}, status_code=429, headers={"Retry-After": "0"})
+            return JSONResponse(
+                {"error": {"message": "rate limited"}}, status_code=429, headers={"Retry-After": "0"}
+            )
         if fault == "flaky" and number <= fail_first:
             return JSONResponse({"error": {"message": "overloaded"}}, status_code=503)
         if fault == "garbage":
             return Response(b"<html>502 Bad Gateway</html>\x00\xff", status_code=200, media_type="text/html")
-        content = "I think we should look at the tests first." if fault == "no_json" else json.dumps(policy(messages))
+        content = (
+            "I think we should look at the tests first."
+            if fault == "no_json"
+            else json.dumps(policy(messages))
+        )
         prompt_chars = sum(len(m["content"]) for m in messages)
         return JSONResponse(
             {
@@ -85,7 +91,11 @@ def fake_teacher_app(
                 "object": "chat.completion",
                 "model": body.get("model"),
                 "choices": [
-                    {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content},
+                        "finish_reason": "stop",
+                    }
                 ],
                 "usage": {
                     "prompt_tokens": int(prompt_chars * tokens_per_char) + 8,

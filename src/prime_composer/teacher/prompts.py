@@ -1,11 +1,12 @@
 """What teachers and the student are shown at a step.
 
 Teachers get a portable transcript: the service's instructions as the system message, then the
-state as alternating user/assistant text messages (the agent's tool calls written as
-``<tool_call>`` JSON, tool results as user messages that say which tool and exit code). Every
-OpenAI-compatible API accepts that (no native tool messages, whose rules differ by provider), and
-it is a pure function of the state, so the same state gives the same request (the response cache
-depends on that).
+state as one user message: ``### User`` / ``### Agent`` / ``### Tool result (name, exit code N)``
+sections (the agent's tool calls written as ``<tool_call>`` JSON), ending with the question.
+The teacher reviews the agent's work rather than playing the agent (its own assistant turns would
+claim the trace's actions as its own), every OpenAI-compatible API accepts it (no native tool
+messages or role alternation, whose rules differ by provider), and it is a pure function of the
+state, so the same state gives the same request (the response cache depends on that).
 
 The student sees the state in its own chat format (``student_messages``): tool calls rendered as
 ``actions.render_action`` writes them, tool results as ``tool`` messages; its tokenizer's chat
@@ -24,13 +25,11 @@ from prime_composer.teacher.traces import Trace, Turn
 NEXT_ACTION = "What is the single best next action? Reply with one JSON object."
 
 
-def _tool_result_text(turn: Turn) -> str:
-    parts = [f"[tool result{f' from {turn.name}' if turn.name else ''}"]
-    if turn.exit_code is not None:
-        parts.append(f", exit code {turn.exit_code}")
+def _tool_result_header(turn: Turn) -> str:
+    details = [d for d in (turn.name, None if turn.exit_code is None else f"exit code {turn.exit_code}") if d]
     if turn.is_error:
-        parts.append(", error")
-    return "".join(parts) + "]\n" + turn.content
+        details.append("error")
+    return "Tool result" + (f" ({', '.join(details)})" if details else "")
 
 
 def _assistant_text(turn: Turn) -> str:
@@ -43,34 +42,28 @@ def _task_text(task: str | dict[str, Any]) -> str:
 
 
 def teacher_messages(trace: Trace, turn_index: int, instructions: str) -> list[dict[str, str]]:
-    """The chat messages a teacher gets to propose the action of ``turns[turn_index]``."""
+    """The chat messages a teacher gets to propose the action of ``turns[turn_index]``: the
+    instructions as the system message, and the state as one user message holding the transcript."""
     system = instructions
     if trace.record.tools:
         system += "\n\nTools available to the agent:\n" + json.dumps(
             trace.record.tools, sort_keys=True, ensure_ascii=False
         )
-    messages: list[dict[str, str]] = []
-
-    def add(role: str, text: str) -> None:
-        if messages and messages[-1]["role"] == role:  # keep roles alternating
-            messages[-1]["content"] += "\n\n" + text
-        else:
-            messages.append({"role": role, "content": text})
-
     turns = trace.turns[:turn_index]
-    has_user = any(t.role == "user" for t in turns)
-    if not has_user and trace.record.task:
-        add("user", "Task:\n" + _task_text(trace.record.task))
+    sections = []
+    if not any(t.role == "user" for t in turns) and trace.record.task:
+        sections.append("### Task\n" + _task_text(trace.record.task))
     for turn in turns:
-        if turn.role in ("system", "user"):
-            # The agent's own system prompt is part of its state, shown to the teacher as context.
-            add("user", turn.content if turn.role == "user" else "[agent instructions]\n" + turn.content)
+        if turn.role == "system":
+            sections.append("### Agent instructions\n" + turn.content)
+        elif turn.role == "user":
+            sections.append("### User\n" + turn.content)
         elif turn.role == "assistant":
-            add("assistant", _assistant_text(turn) or "(no output)")
+            sections.append("### Agent\n" + (_assistant_text(turn) or "(no output)"))
         else:
-            add("user", _tool_result_text(turn))
-    add("user", NEXT_ACTION)
-    return [{"role": "system", "content": system}, *messages]
+            sections.append("### " + _tool_result_header(turn) + "\n" + turn.content)
+    sections.append("### Next\n" + NEXT_ACTION)
+    return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(sections)}]
 
 
 def prompt_hash(messages: list[dict[str, str]]) -> str:

@@ -123,10 +123,13 @@ async def _wait(event: asyncio.Event, timeout: float) -> None:
 
 async def _run(cfg: TeacherServiceConfig, store: TeacherStore, secret: str | None) -> None:
     budget = Budget(cfg.budget, store.spent_by_trace())
-    pool = TeacherPool(
-        cfg.pool, cfg.budget, store, budget, expected_output_tokens=cfg.gate.expected_output_tokens
-    )
-    student = StudentSampler(cfg.pairs.on_policy, cfg.seed) if cfg.pairs.on_policy.enabled else None
+    try:  # an API key variable that is named but not set is the user's to fix
+        pool = TeacherPool(
+            cfg.pool, cfg.budget, store, budget, expected_output_tokens=cfg.gate.expected_output_tokens
+        )
+        student = StudentSampler(cfg.pairs.on_policy, cfg.seed) if cfg.pairs.on_policy.enabled else None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     replayer = Replayer(cfg, store, pool, student)
     scorer = ReferenceScorer(cfg.model, cfg.reference)
     reference_store = TeacherStore(cfg.store_path)  # the worker thread's own connection
