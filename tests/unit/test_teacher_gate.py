@@ -68,24 +68,27 @@ def test_impact_edits_commands_reads_messages():
     ]  # fmt: skip
 
 
-def test_error_proximity_exit_codes_patterns_and_the_window_before_the_first_error():
+def test_error_proximity_exit_codes_patterns_and_the_window_around_errors():
     trace = trace_of(
         bash("ls"), tool("a.py"),                       # step 0: 3 before the first error
         bash("cat a.py"), tool("..."),                  # step 1: 2 before
         edit("a.py", "x", "y"), tool("ok"),             # step 2: 1 before (the planted mistake)
         bash("pytest"), tool("1 failed, 2 passed"),     # step 3: failing tests (pattern)
         bash("make"), tool("boom", exit_code=2),        # step 4: non-zero exit
-        bash("ls"), tool("a.py", exit_code=0),          # step 5: fine
+        bash("ls"), tool("a.py", exit_code=0),          # step 5: fine, 1 after an error
+        bash("ls"), tool("a.py"),                       # step 6: 2 after
+        bash("ls"), tool("a.py"),                       # step 7: 3 after
     )  # fmt: skip
     errors = [f.error for f in features(trace, GateConfig(error_window=2))]
-    assert errors == pytest.approx([0.0, 1 - 2 / 3, 1 - 1 / 3, 1.0, 1.0, 0.0])
+    assert errors == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0, 1.0, 2 / 3, 1 / 3, 0.0])
 
 
-def test_reverted_edits_count_as_errors():
+def test_reverted_edits_and_the_reverting_step_count_as_errors():
+    # Both the edit and the step that undoes it are suspect: one of them was wrong.
     inverse = trace_of(
         edit("a.py", "x", "y"), tool("ok"), bash("ls"), tool("a.py"), edit("./a.py", "y", "x"), tool("ok")
     )
-    assert [f.error for f in features(inverse, GateConfig(error_window=0))] == [1.0, 0.0, 0.0]
+    assert [f.error for f in features(inverse, GateConfig(error_window=0))] == [1.0, 0.0, 1.0]
     checkout = trace_of(
         edit("a.py", "x", "y"),
         tool("ok"),
@@ -94,7 +97,7 @@ def test_reverted_edits_count_as_errors():
         bash("git checkout -- a.py"),
         tool(""),
     )
-    assert [f.error for f in features(checkout, GateConfig(error_window=0))] == [1.0, 0.0, 0.0]
+    assert [f.error for f in features(checkout, GateConfig(error_window=0))] == [1.0, 0.0, 1.0]
 
 
 def test_novelty_and_score():
@@ -102,21 +105,19 @@ def test_novelty_and_score():
     first_state = trace.state_hash(1)
     f = features(trace, seen=lambda h: h == first_state)
     assert [x.novelty for x in f] == [0.0, 1.0]
-    cfg = GateConfig(weight_uncertainty=1, weight_impact=2, weight_error=3, weight_novelty=4)
+    cfg = GateConfig(weight_uncertainty=0.5, weight_error=1.0, impact_floor=0.2, seen_state_factor=0.5)
+    # evidence = 1 - (1 - 0.5 * 0.5) * (1 - 1.0 * 0.25) = 0.4375; stakes = 0.2 + 0.8 * impact.
     step = StepFeatures(0, "h", uncertainty=0.5, impact=1.0, error=0.25, novelty=1.0)
-    assert step.score(cfg) == pytest.approx((0.5 + 2 + 0.75 + 4) / 10)
+    assert step.score(cfg) == pytest.approx(0.4375)
+    seen_read = StepFeatures(0, "h", uncertainty=0.5, impact=0.5, error=0.25, novelty=0.0)
+    assert seen_read.score(cfg) == pytest.approx(0.4375 * 0.6 * 0.5)
+    with pytest.raises(ValueError, match="every score is 0"):
+        GateConfig(weight_uncertainty=0, weight_error=0)
 
 
 def test_select_top_b_by_score_per_dollar_in_trace_order():
-    cfg = GateConfig(
-        max_steps_per_trace=2,
-        min_score=0.3,
-        weight_uncertainty=1,
-        weight_impact=0,
-        weight_error=0,
-        weight_novelty=0,
-    )
-    f = [StepFeatures(i, str(i), u, 0, 0, 0) for i, u in enumerate([0.9, 0.8, 0.5, 0.2])]
+    cfg = GateConfig(max_steps_per_trace=2, min_score=0.3, weight_error=0, impact_floor=0)
+    f = [StepFeatures(i, str(i), u, 1.0, 0, 1.0) for i, u in enumerate([0.9, 0.8, 0.5, 0.2])]  # score = u
     # Step 0 is the best but ten times dearer: 0.09 per dollar against 0.8 and 0.5.
     assert select_steps(f, [10.0, 1.0, 1.0, 0.01], cfg) == [1, 2]
     assert select_steps(f, [1.0] * 4, cfg) == [0, 1]

@@ -116,12 +116,17 @@ class TraceSourceConfig(BaseConfig):
 class GateConfig(BaseConfig):
     """The value-of-information gate: which steps of a trace are worth paying teachers for.
 
-    Each step's score is a weighted mean, in [0, 1], of the student's uncertainty on its action
-    (from the trace's logprobs), the action's impact (edits and commands over reads), its
-    proximity to an error (non-zero exits, failing tests, reverted edits, and the steps just
-    before the first error) and novelty (a state not evaluated before). The gate keeps the
-    ``max_steps_per_trace`` steps with the best score per expected dollar among those scoring at
-    least ``min_score``.
+    A step's score, in [0, 1], is the evidence that it is a mistake times what is at stake:
+
+        score = (1 - (1 - weight_uncertainty * u) * (1 - weight_error * e)) * stakes * novelty
+
+    with ``u`` the student's uncertainty on its action (from the trace's logprobs), ``e`` its
+    proximity to an error (non-zero exits, failing tests, reverted edits, and the steps around
+    them), ``stakes = impact_floor + (1 - impact_floor) * impact`` (edits and commands over reads)
+    and ``novelty`` 1 for a state never evaluated before, else ``seen_state_factor``. Either
+    signal alone can make a step suspicious (a noisy-or), a read costs little to get wrong, and a
+    state already labeled adds nothing. The gate keeps the ``max_steps_per_trace`` steps with the
+    best score per expected dollar among those scoring at least ``min_score``.
     """
 
     enabled: bool = True
@@ -130,20 +135,21 @@ class GateConfig(BaseConfig):
     max_steps_per_trace: int = Field(default=4, ge=1)
     """B: steps asked per trace at most."""
 
-    min_score: float = Field(default=0.3, ge=0.0, le=1.0)
+    min_score: float = Field(default=0.15, ge=0.0, le=1.0)
     """Steps scoring below this are never asked."""
 
-    weight_uncertainty: float = Field(default=1.0, ge=0.0)
-    """Weight of the student's uncertainty ``1 - exp(mean logprob of the action tokens)``."""
+    weight_uncertainty: float = Field(default=1.0, ge=0.0, le=1.0)
+    """How much the student's uncertainty ``u = 1 - exp(mean logprob of the action tokens)`` alone
+    says about a mistake."""
 
-    weight_impact: float = Field(default=1.0, ge=0.0)
-    """Weight of the action's impact (``impact_*``)."""
+    weight_error: float = Field(default=0.8, ge=0.0, le=1.0)
+    """How much the proximity to an error alone says about a mistake."""
 
-    weight_error: float = Field(default=2.0, ge=0.0)
-    """Weight of the proximity to an error."""
+    impact_floor: float = Field(default=0.25, ge=0.0, le=1.0)
+    """Stakes of an action of impact 0 (``stakes = floor + (1 - floor) * impact``)."""
 
-    weight_novelty: float = Field(default=0.5, ge=0.0)
-    """Weight of novelty (1 for a state hash never evaluated before, else 0)."""
+    seen_state_factor: float = Field(default=0.2, ge=0.0, le=1.0)
+    """Novelty of a state that was evaluated before (its answers are cached, its pair known)."""
 
     default_uncertainty: float = Field(default=0.5, ge=0.0, le=1.0)
     """Uncertainty of a step whose trace carries no logprobs for its action."""
@@ -198,7 +204,9 @@ class GateConfig(BaseConfig):
     """Regular expressions that mark a tool result as an error (besides a non-zero ``exit_code``)."""
 
     error_window: int = Field(default=2, ge=0)
-    """Steps before the first error that count as close to it (score decreasing with distance)."""
+    """Steps before an error (the mistake usually comes a step or two before the test run that
+    exposes it) and after one (how the agent reacts to a failure) that count as close to it, with
+    proximity ``1 - distance / (error_window + 1)``."""
 
     cascade: bool = True
     """Ask the cheapest teacher first and the others only when it disagrees with the trace, fails,
@@ -215,9 +223,11 @@ class GateConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
-        total = self.weight_uncertainty + self.weight_impact + self.weight_error + self.weight_novelty
-        if total <= 0:
-            raise ValueError("teacher.gate: at least one of the weight_* fields must be positive")
+        if self.weight_uncertainty == 0 and self.weight_error == 0:
+            raise ValueError(
+                "teacher.gate: weight_uncertainty and weight_error are both 0, so every score is 0; "
+                "make one positive, or turn the gate off (gate.enabled = false)"
+            )
         return self
 
 

@@ -7,15 +7,20 @@ Per step (an assistant turn), four features in [0, 1]:
   trace has no logprobs);
 - **impact** of the action: edits > commands > plain messages > reads (``impact_*``);
 - **error proximity**: 1 for a step whose tool result is an error (non-zero ``exit_code``,
-  ``is_error``, or one of ``error_patterns`` such as a traceback or failing tests) or whose edit is
-  later reverted; for the ``error_window`` steps before the first error,
-  ``1 - distance / (error_window + 1)`` (the mistake usually comes a step or two before the test
-  run that exposes it); 0 otherwise;
+  ``is_error``, or one of ``error_patterns`` such as a traceback or failing tests), whose edit is
+  later reverted, or that reverts an edit; ``1 - distance / (error_window + 1)`` for the
+  ``error_window`` steps before and after such a step (the mistake usually comes a step or two
+  before the test run that exposes it; the step after a failure is how the agent reacts to it);
+  0 otherwise;
 - **novelty**: 1 when the state hash was never evaluated before, else 0.
 
-The score is their weighted mean. The gate keeps at most ``max_steps_per_trace`` steps with score
-``>= min_score``, ranked by score per expected dollar (``costs``, from the pool's prices and the
-prompt's size), so a cheap step of equal value goes first. With the gate off, every step is asked.
+They combine as "evidence of a mistake times what is at stake" (``GateConfig``'s docstring has
+the formula): a noisy-or of uncertainty and error proximity, times the action's stakes and its
+novelty. How it departs from the issue's sketch: proximity is to *every* error, not only the
+first, because an agent's trace usually starts with a failing test run that is the task, not a
+mistake; the window covers the step after an error too. The gate keeps at most
+``max_steps_per_trace`` steps with score ``>= min_score``, ranked by score per expected dollar
+(``costs``, from the pool's prices and the prompt's size). With the gate off, every step is asked.
 """
 
 from __future__ import annotations
@@ -46,9 +51,12 @@ class StepFeatures:
     novelty: float
 
     def score(self, cfg: GateConfig) -> float:
-        weights = (cfg.weight_uncertainty, cfg.weight_impact, cfg.weight_error, cfg.weight_novelty)
-        values = (self.uncertainty, self.impact, self.error, self.novelty)
-        return sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)
+        evidence = 1.0 - (1.0 - cfg.weight_uncertainty * self.uncertainty) * (
+            1.0 - cfg.weight_error * self.error
+        )
+        stakes = cfg.impact_floor + (1.0 - cfg.impact_floor) * self.impact
+        novelty = cfg.seen_state_factor + (1.0 - cfg.seen_state_factor) * self.novelty
+        return evidence * stakes * novelty
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -137,10 +145,12 @@ def _edited_path(action: Action) -> list[tuple[str, str | None, str | None]]:
 
 def error_steps(trace: Trace, cfg: GateConfig) -> tuple[set[int], set[int]]:
     """``(failed, reverted)``: positions (among the trace's steps) whose tool results are errors, and
-    whose edits a later step undoes (the inverse ``str_replace``, or ``git checkout/restore/reset``)."""
+    whose edits a later step undoes (the inverse ``str_replace``, or ``git checkout/restore/reset``)
+    together with the steps that undo them."""
     patterns = [re.compile(p) for p in cfg.error_patterns]
     steps = trace.step_indices
-    failed, reverted = set(), set()
+    failed: set[int] = set()
+    reverted: set[int] = set()
     edits: list[tuple[int, str, str | None, str | None]] = []
     for position, turn_index in enumerate(steps):
         end = steps[position + 1] if position + 1 < len(steps) else len(trace.turns)
@@ -157,12 +167,13 @@ def error_steps(trace: Trace, cfg: GateConfig) -> tuple[set[int], set[int]]:
         for path, old, new in _edited_path(action):
             for earlier, epath, eold, enew in edits:
                 if epath == path and old is not None and old == enew and new == eold:
-                    reverted.add(earlier)
+                    reverted.update((earlier, position))
             edits.append((position, path, old, new))
         for words in _command_words(action):
             if len(words) > 1 and words[0] == "git" and words[1] in _REVERT_GIT:
                 targets = {w for w in words[2:] if not w.startswith("-")}
-                reverted.update(e for e, epath, _, _ in edits if not targets or epath in targets)
+                undone = {e for e, epath, _, _ in edits if not targets or epath in targets}
+                reverted.update(undone | ({position} if undone else set()))
     return failed, reverted
 
 
@@ -170,16 +181,15 @@ def step_features(trace: Trace, cfg: GateConfig, seen: Callable[[str], bool]) ->
     """The features of every step of ``trace``; ``seen(state_hash)`` says whether a state was
     evaluated before (novelty)."""
     failed, reverted = error_steps(trace, cfg)
-    first = min(failed | reverted) if failed | reverted else None
+    errors = failed | reverted
     features = []
     for position, turn_index in enumerate(trace.step_indices):
         turn = trace.turns[turn_index]
-        if position in failed or position in reverted:
-            error = 1.0
-        elif first is not None and first - cfg.error_window <= position < first:
-            error = 1.0 - (first - position) / (cfg.error_window + 1)
-        else:
+        distance = min((abs(position - e) for e in errors), default=None)
+        if distance is None or distance > cfg.error_window:
             error = 0.0
+        else:
+            error = 1.0 - distance / (cfg.error_window + 1)
         state = trace.state_hash(turn_index)
         features.append(
             StepFeatures(
