@@ -234,13 +234,8 @@ def run(
     elapsed = time.perf_counter() - started
     ledger = store.ledger()
     calls = [r for r in ledger if r["outcome"] not in ("cache_hit", "budget")]
-    steps = {
-        (r[0], r[1]): (r[2], r[3])
-        for r in store._conn.execute("SELECT trace_id, turn_index, outcome, selected FROM steps")
-    }
-    chosen = {
-        (r[0], r[1]): r[2] for r in store._conn.execute("SELECT trace_id, turn_index, chosen_key FROM pairs")
-    }
+    steps = {(r["trace_id"], r["turn_index"]): (r["outcome"], r["selected"]) for r in store.steps()}
+    chosen = {(r["trace_id"], r["turn_index"]): r["chosen_key"] for r in store.pairs()}
     right_keys = {k: _key(v) for k, v in planted.items()}
     recalled = sum(1 for k in planted if steps[k][0] == "pair" and chosen.get(k) == right_keys[k])
     num_pairs = len(chosen)

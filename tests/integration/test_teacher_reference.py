@@ -123,7 +123,7 @@ def test_reference_pass_makes_pairs_ready_in_cursor_order(tmp_path, scorer, plai
     assert second.context_ids == [1, 2, 3, 4] and second.rejected_ids == [9, 8, scorer.tokenizer.eos_token_id]
     assert len(second.ref_rejected_logprobs) == 3
     # The third is longer than max_pair_tokens: recorded, never handed out.
-    status = store._conn.execute("SELECT status, status_reason FROM pairs WHERE turn_index = 2").fetchone()
+    status = next(p for p in store.pairs() if p["turn_index"] == 2)
     assert status["status"] == "too_long" and "max_pair_tokens = 512" in status["status_reason"]
     assert (
         pairs.take(10, after_cursor=1) == [second]

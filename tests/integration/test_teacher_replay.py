@@ -118,9 +118,7 @@ def replay(
 
 
 def outcomes(store: TeacherStore) -> dict[int, str]:
-    return {
-        r["turn_index"]: r["outcome"] for r in store._conn.execute("SELECT turn_index, outcome FROM steps")
-    }
+    return {r["turn_index"]: r["outcome"] for r in store.steps()}
 
 
 def test_faulty_teachers_are_ledger_rows_and_good_ones_still_make_pairs(tmp_path):

@@ -22,10 +22,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
-from prime_composer.config.teacher import TeacherServiceConfig
+from prime_composer.config.teacher import TeacherEndpointConfig, TeacherServiceConfig
 from prime_composer.teacher.actions import Action, render_action, turn_action
 from prime_composer.teacher.gate import select_steps, step_features
 from prime_composer.teacher.pool import Answer, StudentSampler, TeacherPool
@@ -149,7 +150,10 @@ class Replayer:
         self, trace: Trace, planned: PlannedStep, messages: list[dict[str, str]]
     ) -> list[Answer]:
         order = self.pool.cascade_order(messages)
-        ask = lambda e: self.pool.ask(e, messages, trace.trace_id, planned.turn_index)  # noqa: E731
+
+        def ask(endpoint: TeacherEndpointConfig) -> Awaitable[Answer]:
+            return self.pool.ask(endpoint, messages, trace.trace_id, planned.turn_index)
+
         if not self.cfg.gate.cascade or len(order) == 1:
             return list(await asyncio.gather(*(ask(e) for e in order)))
         first = await ask(order[0])

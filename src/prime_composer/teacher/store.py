@@ -483,6 +483,14 @@ class TeacherStore:
                     ),
                 )
 
+    def steps(self) -> list[dict[str, Any]]:
+        """Every planned step with its label (``steps`` table rows)."""
+        return [dict(r) for r in self._conn.execute("SELECT * FROM steps ORDER BY trace_id, turn_index")]
+
+    def pairs(self) -> list[dict[str, Any]]:
+        """Every pair row, whatever its status (``PairStore`` hands out the ready ones)."""
+        return [dict(r) for r in self._conn.execute("SELECT * FROM pairs ORDER BY pair_id")]
+
     def spent_by_trace(self) -> dict[str, float]:
         """Dollars per trace in the ledger (calls without a trace under ``""``)."""
         rows = self._conn.execute(
