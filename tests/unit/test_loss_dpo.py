@@ -273,3 +273,5 @@ def test_bad_inputs_are_clear_errors():
         )
     with pytest.raises(ValidationError, match="not used by loss_type"):
         DPOLossConfig(loss_type="ipo", label_smoothing=0.1)
+    with pytest.raises(ValidationError, match="label_smoothing_from_votes = false"):
+        DPOLossConfig(loss_type="robust", label_smoothing=0.1)

@@ -49,4 +49,10 @@ class DPOLossConfig(BaseConfig):
                 f'loss.replay.label_smoothing = {self.label_smoothing} is not used by loss_type = "ipo": '
                 'remove it, or choose loss_type = "sigmoid" or "robust"'
             )
+        if self.label_smoothing > 0 and self.label_smoothing_from_votes and self.loss_type != "ipo":
+            raise ValueError(
+                f"loss.replay.label_smoothing = {self.label_smoothing} is not used while "
+                "label_smoothing_from_votes = true (each pair brings its own): set "
+                "label_smoothing_from_votes = false to use one value for every pair"
+            )
         return self

@@ -333,10 +333,8 @@ class ReferenceConfig(BaseConfig):
     """torch threads of the reference forward on a CPU."""
 
     batch_size: int = Field(default=8, ge=1)
-    """Sequences per reference forward (a pair is two)."""
-
-    dtype: str = "float32"
-    """Parameter dtype of the reference model (``float32``, ``bfloat16``)."""
+    """Sequences per reference forward (a pair is two). The dtype is ``model.dtype`` (``auto``:
+    float32 on a CPU, bfloat16 on a GPU)."""
 
 
 class TeacherServiceConfig(BaseConfig):

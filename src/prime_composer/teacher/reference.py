@@ -61,12 +61,15 @@ class ReferenceScorer:
             from prime_composer.model.resolve import resolve_model_name
 
             torch.set_num_threads(self.cfg.num_threads)
+            dtype = self.model_cfg.dtype
+            if dtype == "auto":
+                dtype = "float32" if self.cfg.device == "cpu" else "bfloat16"
             model: Any = AutoModelForCausalLM.from_pretrained(
                 resolve_model_name(self.model_cfg.name),
                 revision=self.model_cfg.revision,
                 gguf_file=self.model_cfg.gguf_file,
                 trust_remote_code=self.model_cfg.trust_remote_code,
-                dtype=getattr(torch, self.cfg.dtype),
+                dtype=getattr(torch, dtype),
             )
             self._model = model.to(self.cfg.device).eval()
             logger.info("reference model %s loaded on %s", self.model_cfg.name, self.cfg.device)
