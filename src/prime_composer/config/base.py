@@ -71,15 +71,4 @@ class CheckpointConfig(BaseConfig):
     from only when all of them are complete and verify."""
 
 
-SHARED_KEYS: tuple[str, ...] = (
-    "model",
-    "output_dir",
-    "max_steps",
-    "seed",
-    "max_async_level",
-    "ckpt",
-    "transport",
-)
-"""Top-level keys of ``RLConfig`` copied into every section that has a field of the same name."""
-
 DEFAULT_OUTPUT_DIR = Path("outputs/run")

@@ -18,6 +18,7 @@ environment variable), the dotted key, the bad value and the nearest valid key.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tomllib
 import types
@@ -433,7 +434,10 @@ def run_entry_point(
         print(render_help(model, prog=prog, describe=describe, env_prefix=env_prefix, aliases=aliases))
         return 0
     if options.dry_run:
-        print(json.dumps(config.model_dump(mode="json"), indent=2))
+        try:
+            print(json.dumps(config.model_dump(mode="json"), indent=2), flush=True)
+        except BrokenPipeError:  # `rl ... --dry-run | head`: the reader has what it wanted
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (so the interpreter's flush at exit is quiet)
         return 0
     try:
         return main(config) or 0

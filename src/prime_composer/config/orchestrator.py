@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Self
 
 from pydantic import Field, model_validator
 
 from prime_composer.config.advantage import AdvantageConfig
-from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, CheckpointConfig, ModelConfig
+from prime_composer.config.base import BaseConfig
+from prime_composer.config.common import CommonConfig
 from prime_composer.config.env import EnvConfig, RolloutConfig, SamplingConfig
 from prime_composer.config.sdpo import HintConfig
-from prime_composer.config.transport import TransportConfig
 
 
 class EvalConfig(BaseConfig):
@@ -27,29 +26,8 @@ class EvalConfig(BaseConfig):
     """Sampling temperature for evaluation; 0 is greedy."""
 
 
-class OrchestratorConfig(BaseConfig):
+class OrchestratorConfig(CommonConfig):
     """The orchestrator: samples rollouts, scores them, computes advantages, packs batches."""
-
-    model: ModelConfig = ModelConfig()
-    """Shared with the other processes (set it at the top level)."""
-
-    output_dir: Path = DEFAULT_OUTPUT_DIR
-    """Shared run directory."""
-
-    max_steps: int = Field(default=20, ge=1)
-    """Shared: number of training steps to produce batches for."""
-
-    seed: int = 0
-    """Shared seed for data order and sampling."""
-
-    max_async_level: int = Field(default=1, ge=0)
-    """Shared: never sample with weights more than this many steps behind the batch's step."""
-
-    ckpt: CheckpointConfig = CheckpointConfig()
-    """Shared checkpoint settings."""
-
-    transport: TransportConfig = TransportConfig()
-    """Shared: how batches reach the trainer."""
 
     base_url: str = "http://127.0.0.1:8000/v1"
     """OpenAI-compatible endpoint of the inference server (the ``rl`` launcher sets it)."""

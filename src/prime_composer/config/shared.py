@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from prime_composer.config.base import SHARED_KEYS
 from prime_composer.config.cli import origin_of
+from prime_composer.config.common import SHARED_KEYS
 from prime_composer.config.errors import ConfigError
 from prime_composer.config.processes import SECTION_NAMES as SECTIONS
 
