@@ -249,7 +249,7 @@ def test_extreme_ratios_are_masked_but_still_counted():
     old = torch.full((1, 3), -2.0, dtype=torch.float64)
     logprobs = (old + ratios.log()).requires_grad_(True)
     mask = torch.ones(1, 3, dtype=torch.bool)
-    cfg = RLLossConfig(eps_high=100.0)  # clip wide enough not to bind at r = 10
+    cfg = RLLossConfig(eps_high=10.0)  # clip at 11: wide enough not to bind at r = 10
     loss, metrics = rl_loss(logprobs, old, torch.tensor([1.0], dtype=torch.float64), mask, cfg, 3.0)
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 0.0, -1 / 3]], dtype=torch.float64))

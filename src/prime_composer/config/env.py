@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_composer.config.base import BaseConfig
 
@@ -76,7 +76,7 @@ class SamplingConfig(BaseConfig):
     stop: list[str] | None = None
     """Extra stop strings; the chat template's end-of-turn token always stops."""
 
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     """When set, every request carries its own seed derived from this one, the example and the
     rollout index (reproducible sampling); ``None`` sends no seed."""
 
@@ -85,6 +85,13 @@ class SamplingConfig(BaseConfig):
 
     extra_body: dict[str, Any] = Field(default_factory=dict)
     """Further request fields passed through unchanged (server-specific knobs)."""
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: list[str] | None) -> list[str] | None:
+        if stop is not None and any(s == "" for s in stop):
+            raise ValueError('an empty stop string would end every completion at once: remove ""')
+        return stop
 
 
 class RolloutConfig(BaseConfig):

@@ -25,7 +25,7 @@ class RLLossConfig(BaseConfig):
     eps_low: float = Field(default=0.2, ge=0.0, lt=1.0)
     """Lower clip: the ratio is clipped at ``1 - eps_low`` (only binds for negative advantages)."""
 
-    eps_high: float = Field(default=0.28, ge=0.0)
+    eps_high: float = Field(default=0.28, ge=0.0, le=10.0)
     """Upper clip: the ratio is clipped at ``1 + eps_high`` (DAPO clip-higher: larger than ``eps_low``
     lets rare tokens with positive advantage grow faster)."""
 

@@ -12,6 +12,9 @@ from prime_composer.config.common import CommonConfig
 from prime_composer.config.env import EnvConfig, RolloutConfig, SamplingConfig
 from prime_composer.config.sdpo import HintConfig
 
+MIN_TRAIN_TOP_P = 0.05
+"""Smallest nucleus for training rollouts (below it the rollouts of a group are all alike)."""
+
 
 class EvalConfig(BaseConfig):
     """Held-out evaluation during training (environments with ``eval_args``)."""
@@ -24,6 +27,18 @@ class EvalConfig(BaseConfig):
 
     temperature: float = Field(default=0.0, ge=0.0)
     """Sampling temperature for evaluation; 0 is greedy."""
+
+
+class FailureConfig(BaseConfig):
+    """When the orchestrator stops the run instead of training on (almost) nothing."""
+
+    max_error_fraction: float = Field(default=1.0, gt=0, le=1)
+    """Stop the run when at least this fraction of a step's rollouts failed (1.0: only when every
+    one did). Failed rollouts are recorded and left out either way."""
+
+    max_empty_steps: int = Field(default=3, ge=1)
+    """Stop the run after this many steps in a row with no sample to train on (every group failed,
+    had equal rewards, or was too stale)."""
 
 
 class OrchestratorConfig(CommonConfig):
@@ -83,6 +98,9 @@ class OrchestratorConfig(CommonConfig):
     next steps start while the current step's slowest finish. None: ``batch_size x
     (max_async_level + 1)``. Must hold at least one group (``group_size``)."""
 
+    failure: FailureConfig = FailureConfig()
+    """When a run that trains on nothing stops with an error instead of reporting success."""
+
     weights_poll_s: float = Field(default=0.1, gt=0)
     """How often to look for newly published weights while waiting for them."""
 
@@ -90,7 +108,29 @@ class OrchestratorConfig(CommonConfig):
     """Give up (exit with an error) if the weights a step needs do not appear within this time."""
 
     @model_validator(mode="after")
-    def _check_inflight(self) -> Self:
+    def _check(self) -> Self:
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"orchestrator.batch_size ({self.batch_size}) must be a multiple of orchestrator.group_size "
+                f"({self.group_size}): every step trains on whole groups (e.g. batch_size = "
+                f"{max(1, self.batch_size // self.group_size) * self.group_size})"
+            )
+        if self.group_size < 2:
+            raise ValueError(
+                "orchestrator.group_size = 1: advantages are relative to the other rollouts of a group, so "
+                "every sample would get advantage 0 and nothing would be learned; use group_size >= 2"
+            )
+        if self.sampling.temperature == 0:
+            raise ValueError(
+                "orchestrator.sampling.temperature = 0 (greedy) gives no distribution to compute the "
+                "policy-gradient ratios with; train with temperature > 0 (greedy evaluation is "
+                "orchestrator.eval.temperature)"
+            )
+        if self.sampling.top_p < MIN_TRAIN_TOP_P:
+            raise ValueError(
+                f"orchestrator.sampling.top_p = {self.sampling.top_p} samples (nearly) greedily and every "
+                f"group's rollouts would be the same; use top_p >= {MIN_TRAIN_TOP_P} (1.0 samples the policy)"
+            )
         if self.max_inflight is not None and self.max_inflight < self.group_size:
             raise ValueError(
                 f"orchestrator.max_inflight = {self.max_inflight} cannot hold one group of "

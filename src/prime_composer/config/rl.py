@@ -81,6 +81,7 @@ class RLConfig(BaseSettings, CommonConfig):
         validate_assignment=True,
         use_attribute_docstrings=True,
         protected_namespaces=(),
+        allow_inf_nan=False,
     )
 
     trainer: TrainerConfig = TrainerConfig()

@@ -24,6 +24,10 @@ class TrainerConfig(CommonConfig):
     mixed_precision: bool = False
     """FSDP2 only: compute in bfloat16 with float32 gradient reduction (GPU runs)."""
 
+    max_skipped_steps: int = Field(default=3, ge=1)
+    """Stop the run (an error saying so) after this many optimizer steps in a row were skipped for a
+    non-finite loss or gradient norm: the policy has diverged and more steps will not help."""
+
     keep_broadcasts: int = Field(default=3, ge=1)
     """How many of the newest published weight versions to keep under ``broadcasts/``."""
 

@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from prime_composer.checkpoint_layout import find_resume_point
-from prime_composer.config.errors import ConfigError
+from prime_composer.config.errors import RUN_ERROR_EXIT_CODE, ConfigError
 from prime_composer.config.processes import enabled_processes
 from prime_composer.config.resolve import ENV_PREFIX, RL_ALIASES, finalize_rl_config, set_shared
 from prime_composer.config.rl import RLConfig
 from prime_composer.io import atomic_write_text
-from prime_composer.launch.launcher import Launcher
+from prime_composer.launch.launcher import Launcher, LaunchResult
+from prime_composer.launch.preflight import preflight
 from prime_composer.launch.process import ProcessSpec
 from prime_composer.launch.progress import Progress
 from prime_composer.launch.rundir import prepare_fresh, prepare_resume
@@ -69,8 +70,11 @@ def build_specs(config: RLConfig, config_paths: dict[str, Path]) -> list[Process
     return specs
 
 
-def _resume_hint(config: RLConfig, argv: Sequence[str]) -> str:
-    """`` To continue: <command>`` when a checkpoint to resume from exists, else how to start over."""
+def _resume_hint(config: RLConfig, argv: Sequence[str], result: LaunchResult) -> str:
+    """`` To continue: <command>`` when resuming can help: a checkpoint exists and the run did not
+    stop for a reason resuming would meet again."""
+    if result.failed_exit_code == RUN_ERROR_EXIT_CODE:
+        return f" Resuming as it is would stop the same way: see the error above in logs/{result.failed}.log."
     try:
         find_resume_point(config.output_dir / "checkpoints", None, config.ckpt.parts)
     except ConfigError:
@@ -146,6 +150,7 @@ def _use_model(config: RLConfig, path: Path) -> None:
 
 
 def launch(config: RLConfig, argv: Sequence[str]) -> int:
+    preflight(config)
     output_dir = config.output_dir
     resuming = config.ckpt.resume or config.ckpt.resume_step is not None
     if resuming:
@@ -185,7 +190,7 @@ def launch(config: RLConfig, argv: Sequence[str]) -> int:
     finally:
         progress.close()
     if result.exit_code != 0:
-        print(f"rl: run stopped ({result.reason}).{_resume_hint(config, argv)}", flush=True)
+        print(f"rl: run stopped ({result.reason}).{_resume_hint(config, argv, result)}", flush=True)
         return result.exit_code
     report = write_report_png(output_dir)
     print(summary(output_dir), flush=True)

@@ -30,30 +30,9 @@ from verifiers.v1.utils.loaders import env_config_type, taskset_config_type
 
 from prime_composer.config.env import EnvConfig, RolloutConfig
 from prime_composer.orchestrator import harness as chat_harness
-
-DEFAULT_ENV_DIRS: tuple[Path, ...] = (Path("orchestrator/environments"),)
-"""Where local environment folders are looked up (relative paths resolve against the cwd)."""
+from prime_composer.orchestrator.env_ids import DEFAULT_ENV_DIRS, local_environments, module_name
 
 Split = Literal["train", "eval"]
-
-
-def module_name(env_id: str) -> str:
-    """The import name verifiers derives from an id (``owner/my-env@1`` -> ``my_env``)."""
-    return env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
-
-
-def local_environments(env_dirs: Sequence[Path] = DEFAULT_ENV_DIRS) -> dict[str, Path]:
-    """Local environments by module name -> the folder to put on ``sys.path``."""
-    found: dict[str, Path] = {}
-    for env_dir in env_dirs:
-        env_dir = Path(env_dir).resolve()
-        if not env_dir.is_dir():
-            continue
-        for folder in sorted(env_dir.iterdir()):
-            module = module_name(folder.name)
-            if (folder / module / "__init__.py").is_file():
-                found.setdefault(module, folder)
-    return found
 
 
 def list_environments(env_dirs: Sequence[Path] = DEFAULT_ENV_DIRS) -> list[str]:

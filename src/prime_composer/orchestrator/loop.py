@@ -41,7 +41,7 @@ from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.hints import HintBuilder
 from prime_composer.orchestrator.sdpo.packing import SDPOPacker
 from prime_composer.orchestrator.state import OrchestratorState, choose_env, task_index
-from prime_composer.orchestrator.stream import RolloutStream, RunGroup, StepRollouts
+from prime_composer.orchestrator.stream import FailureWatch, RolloutStream, RunGroup, StepRollouts
 from prime_composer.transport.factory import BatchSender, make_sender
 
 logger = logging.getLogger(__name__)
@@ -76,11 +76,6 @@ class Orchestrator:
     ) -> None:
         """``hints`` builds SDPO targets each step (``orchestrator.sdpo.enabled``); None = off.
         ``sources`` add items to every batch, packed by the ``packers`` of the same name."""
-        if config.batch_size % config.group_size:
-            raise ValueError(
-                f"orchestrator.batch_size ({config.batch_size}) must be a multiple of "
-                f"orchestrator.group_size ({config.group_size})"
-            )
         self.config = config
         self.envs = envs
         self.pad_token_id = pad_token_id
@@ -97,6 +92,7 @@ class Orchestrator:
         self.state = OrchestratorState(env_draws=[0] * len(envs))
         """The draw position (ahead of the consumed one while groups are in flight)."""
         self._drawn: dict[int, tuple[LoadedEnv, int]] = {}
+        self.failure_watch = FailureWatch(config.failure)
         self.train_tasks = [loaded.tasks("train") for loaded in envs]
         for loaded, tasks in zip(envs, self.train_tasks, strict=True):
             if not tasks:
@@ -169,6 +165,7 @@ class Orchestrator:
         t0 = time.monotonic()
         rollouts = await stream.next_step()
         metrics["time/rollout_s"] = time.monotonic() - t0
+        self.failure_watch.check(step, rollouts)
         metrics["time/wait_weights_s"], stream.wait_weights_s = stream.wait_weights_s, 0.0
         if self.hints is not None:
             t0 = time.monotonic()

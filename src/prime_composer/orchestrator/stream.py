@@ -31,12 +31,14 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from prime_composer.config.orchestrator import OrchestratorConfig
+from prime_composer.config.errors import RunError
+from prime_composer.config.orchestrator import FailureConfig, OrchestratorConfig
 from prime_composer.orchestrator.advantages import compute_advantages, filter_zero_variance
 from prime_composer.orchestrator.policy import PolicySync
 from prime_composer.orchestrator.sample import Sample
@@ -78,6 +80,8 @@ class StepRollouts:
     """Groups consumed this step, kept and dropped."""
     policy_steps: list[int] = field(default_factory=list)
     """Weights version of each kept group."""
+    error_examples: list[str] = field(default_factory=list)
+    """The first few errors of the step's failed rollouts (for the message of a failed run)."""
 
 
 class RolloutStream:
@@ -178,6 +182,9 @@ class RolloutStream:
         out.num_groups += 1
         out.num_errors += len(group.samples) - len(group.ok)
         out.generated.extend(group.ok)
+        for sample in group.samples:
+            if sample.error is not None and len(out.error_examples) < 3:
+                out.error_examples.append(sample.error)
         if group.scored is None:
             if group.ok and self.config.advantage.dynamic_sampling:
                 out.num_zero_variance_groups += 1
@@ -257,6 +264,9 @@ class RolloutStream:
             self._wake.set()
             return
         samples = task.result()
+        for sample in samples:
+            if sample.error is None and not math.isfinite(sample.reward):
+                sample.error = f"the environment returned a non-finite reward ({sample.reward})"
         ok = [s for s in samples if s.error is None]
         scored: list[Sample] | None = None
         if ok:
@@ -267,3 +277,31 @@ class RolloutStream:
             self._usable_ahead -= 1
         self._finished[gid] = FinishedGroup(gid, self._policy_of.pop(gid), samples, ok, scored)
         self._wake.set()
+
+
+class FailureWatch:
+    """Stops a run (``RunError``) whose rollouts fail or that has nothing to train on, instead of
+    letting it report success having learned nothing (``orchestrator.failure``)."""
+
+    def __init__(self, cfg: FailureConfig) -> None:
+        self.cfg = cfg
+        self.num_empty_steps = 0
+
+    def check(self, step: int, rollouts: StepRollouts) -> None:
+        cfg = self.cfg
+        total = rollouts.num_errors + len(rollouts.generated)
+        if total and rollouts.num_errors / total >= cfg.max_error_fraction:
+            raise RunError(
+                f"step {step}: {rollouts.num_errors} of {total} rollouts failed "
+                f"(orchestrator.failure.max_error_fraction = {cfg.max_error_fraction}); e.g. "
+                + " | ".join(rollouts.error_examples)
+            )
+        self.num_empty_steps = 0 if rollouts.kept else self.num_empty_steps + 1
+        if self.num_empty_steps >= cfg.max_empty_steps:
+            raise RunError(
+                f"no sample to train on for {self.num_empty_steps} steps in a row (step {step}: "
+                f"{rollouts.num_zero_variance_groups} groups with equal rewards, {rollouts.num_errors} failed "
+                f"rollouts, {rollouts.num_off_policy} too stale samples): check the environment's reward, the "
+                "sampling temperature and group_size (orchestrator.failure.max_empty_steps sets how many such "
+                "steps stop the run)"
+            )

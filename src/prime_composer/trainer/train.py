@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from prime_composer.checkpoint_layout import resume_step
+from prime_composer.config.errors import RunError
 from prime_composer.config.trainer import TrainerConfig
 from prime_composer.metrics import MetricsLogger
 from prime_composer.trainer.checkpoint import CheckpointManager
@@ -37,7 +38,7 @@ from prime_composer.trainer.optim import build_optimizer, optimizer_step
 from prime_composer.trainer.step import train_step
 from prime_composer.transport.batch import MicroBatch
 from prime_composer.transport.factory import make_receiver
-from prime_composer.transport.weights import parse_step, publish_weights
+from prime_composer.transport.weights import NonFiniteWeightsError, check_finite, parse_step, publish_weights
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class Trainer:
         self.broadcast_root = config.output_dir / "broadcasts"
         self.metrics = MetricsLogger(config.output_dir, "trainer") if world.is_main else None
         self.start_step = 0
+        self.num_skipped_in_a_row = 0
 
     def resume(self) -> None:
         ckpt = self.config.ckpt
@@ -75,7 +77,22 @@ class Trainer:
         self.publish(step)
 
     def publish(self, step: int) -> None:
-        """Write ``broadcasts/step_<step>`` (collective under FSDP; rank 0 writes)."""
+        """Write ``broadcasts/step_<step>`` (collective under FSDP; rank 0 writes).
+
+        Non-finite weights are never published: every rank checks its own shards first and all
+        stop together with a ``RunError`` (a check on rank 0 alone would leave the others waiting)."""
+        local = {name: _local(p.detach()) for name, p in self.model.named_parameters()}
+        bad = torch.tensor(0.0)
+        try:
+            check_finite(local, f"the weights after step {step}")
+        except NonFiniteWeightsError as e:
+            bad, reason = torch.tensor(1.0), str(e)
+        if float(all_reduce_sum(bad)) > 0:
+            raise RunError(
+                (reason if bad.item() else f"the weights after step {step} are not finite on another rank")
+                + f". The policy has diverged: lower trainer.optim.lr (now {self.config.optim.lr}) or "
+                "trainer.optim.max_grad_norm"
+            )
         state = full_state_dict(self.model)
         if self.world.is_main:
             publish_weights(state, self.hf_config, self.broadcast_root, step)
@@ -137,6 +154,16 @@ class Trainer:
         outcome = optimizer_step(self.model, self.optimizer, self.scheduler, optim.max_grad_norm, result.loss)
         if not outcome.skipped:
             self.terms_context.after_optimizer_step()
+            self.num_skipped_in_a_row = 0
+        else:
+            self.num_skipped_in_a_row += 1
+            if self.num_skipped_in_a_row >= self.config.max_skipped_steps:
+                raise RunError(
+                    f"the loss or gradient norm was not finite {self.num_skipped_in_a_row} steps in a row "
+                    f"(last: loss {result.loss.item()}, grad norm {outcome.grad_norm}): the policy has diverged. "
+                    f"Lower trainer.optim.lr (now {optim.lr}) or trainer.optim.max_grad_norm, or check the "
+                    "rewards (trainer.max_skipped_steps sets how many skipped steps stop the run)"
+                )
         elapsed = time.monotonic() - t0
         num_tokens = int(all_reduce_sum(torch.tensor(result.num_tokens, dtype=torch.float64)).item())
         return {
@@ -150,6 +177,12 @@ class Trainer:
             "perf/num_tokens": num_tokens,
             "time/step_s": elapsed,
         }
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local shard of a DTensor (FSDP2 parameter), the tensor itself otherwise."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
 
 
 def train(config: TrainerConfig) -> None:
