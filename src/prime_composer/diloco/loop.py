@@ -116,6 +116,8 @@ class OuterLoop:
         self.tokens = [0] * len(self.fragments)
         self.candidates = list(cfg.cluster_ids)
         self.last_metrics: dict[str, float] = {}
+        self.last_result: RoundResult | None = None
+        """The newest round this DC applied (its members, committer, new global fragment)."""
         self._pending: tuple[int, bytes] | None = None
         self._future: Future[RoundResult] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-exchange")
@@ -179,6 +181,7 @@ class OuterLoop:
         assert self._future is not None and self._pending is not None
         result = self._future.result()
         self._future, self._pending = None, None
+        self.last_result = result
         self.last_metrics = dict(result.metrics) | {"diloco/round": float(result.round)}
         if result.status != "applied":
             logger.warning("diloco: round %d %s; catching up from the peers", result.round, result.status)
@@ -190,7 +193,6 @@ class OuterLoop:
         self.candidates = result.candidates
         if result.members:
             self.fragments[f].merge(self.theta[f], self.cfg.fragment_update_alpha)
-        self.last_metrics["diloco/global_digest"] = float(int(tensor_digest(self.theta[f])[:12], 16))
         logger.info(
             "diloco: round %d (fragment %d) members %s committed by %s",
             result.round,
