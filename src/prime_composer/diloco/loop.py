@@ -149,6 +149,13 @@ class OuterLoop:
         assert self._future is None, "one exchange at a time (tau < H/P)"
         f = self.schedule.fragment(round_)
         delta = self.theta[f] - self.fragments[f].read()
+        num_tokens = self.tokens[f]
+        if not bool(torch.isfinite(delta).all()):
+            # Non-finite local weights must not reach the global model: contribute nothing.
+            logger.warning(
+                "diloco: fragment %d has non-finite local weights; round %d sends zeros", f, round_
+            )
+            delta, num_tokens = torch.zeros_like(delta), 0
         if self.residual is not None:
             delta += self.residual[f]
         q = quantize(delta, self.cfg.quantization, self.cfg.block_size)
@@ -156,7 +163,7 @@ class OuterLoop:
             self.residual[f] = delta - dequantize(q)
         fields, body = grad_body(q, self.cfg.compression)
         header = self.exchange.header(
-            "grad", round_, f, num_tokens=self.tokens[f], base_digest=tensor_digest(self.theta[f]), **fields
+            "grad", round_, f, num_tokens=num_tokens, base_digest=tensor_digest(self.theta[f]), **fields
         )
         payload = encode(header, body, self.exchange.secret)
         self.tokens[f] = 0

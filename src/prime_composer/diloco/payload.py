@@ -128,10 +128,11 @@ def parse_grad(header: dict[str, Any], body: bytes, digest: str) -> GradPayload:
     if len(body) != num_code_bytes + 4 * num_scales:
         raise PayloadError("malformed", f"body holds {len(body)} bytes, {kind} x {numel} needs more/less")
     codes = torch.frombuffer(bytearray(body[:num_code_bytes]), dtype=torch.uint8)
-    scales = torch.frombuffer(bytearray(body[num_code_bytes:]), dtype=torch.float32)
     if num_scales == 0:
         scales = torch.empty(0, dtype=torch.float32)
-    elif not bool(torch.isfinite(scales).all()):
+    else:
+        scales = torch.frombuffer(bytearray(body[num_code_bytes:]), dtype=torch.float32)
+    if not bool(torch.isfinite(scales).all()):
         raise PayloadError("malformed", "non-finite quantization scale")
     q = Quantized(kind, numel, block, codes, scales)
     return GradPayload(header["cluster"], int(header["num_tokens"]), header["base_digest"], q, digest)
