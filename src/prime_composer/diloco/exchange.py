@@ -311,6 +311,19 @@ class Exchange:
 
     # ------------------------------------------------------------------------------- catch up
 
+    def wait_for_peers(self, timeout_s: float) -> list[str]:
+        """Wait until every peer's origin answers or ``timeout_s`` passes; returns those that do.
+
+        Called once at start-up, so DCs launched a few seconds apart all make the first round."""
+        if self.store is None:
+            return []
+        until = time.monotonic() + timeout_s
+        while True:
+            up = [c for c in self.peers if self.store.available(c, _PROBE_TIMEOUT_S) is not None]
+            if len(up) == len(self.peers) or time.monotonic() >= until:
+                return up
+            time.sleep(self.cfg.poll_interval_s)
+
     def latest_commit(self) -> tuple[int, str] | None:
         """``(round, committer)`` of the newest commit any reachable peer serves."""
         if self.store is None:

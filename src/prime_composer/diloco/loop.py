@@ -123,6 +123,11 @@ class OuterLoop:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-exchange")
         self._lock = threading.Lock()
         if catch_up:
+            up = self.exchange.wait_for_peers(cfg.round_deadline_s)
+            if len(up) < len(self.exchange.peers):
+                logger.warning(
+                    "diloco: peers %s do not answer yet", sorted(set(self.exchange.peers) - set(up))
+                )
             self.catch_up()
 
     # ---------------------------------------------------------------------------- the hook

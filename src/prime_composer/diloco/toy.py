@@ -10,9 +10,12 @@ keeps its origin up until ``--stop-file`` exists (peers may still be fetching fr
 
     python -m prime_composer.diloco.toy --config dc-a.json --steps 40 --out dc-a.jsonl
 
-``--die-at-round R`` kills the process (SIGKILL) right after it published round R's payload;
-``--step-sleep-s`` stands in for a slower trainer; ``--compute-s`` busy-waits that long per step
-(a fixed compute budget per step, so utilisation is measured against a known compute time).
+``--die-at-round R`` kills the process (SIGKILL) right after it published round R's payload
+(mid-round: before any commit);
+``--step-sleep-s`` stands in for a slower trainer (not counted as compute); ``--compute-s`` pads
+every step to that many seconds of compute (sleeping, as a GPU step leaves the CPU free), so
+utilisation is measured against a known compute time. ``done`` reports ``compute_s`` and
+``wall_s`` from the first step on.
 """
 
 from __future__ import annotations
@@ -21,8 +24,12 @@ import argparse
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,6 +46,84 @@ def make_model(width: int, depth: int, seed: int = 0) -> nn.Module:
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.Tanh()]
     return nn.Sequential(*layers, nn.Linear(width, 1))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def loopback_configs(num_dcs: int, secret_env: str, **fields: Any) -> list[DilocoConfig]:
+    """Configs of ``num_dcs`` DCs (``dc-0``, ``dc-1``, ...) that reach each other on 127.0.0.1."""
+    ports = [free_port() for _ in range(num_dcs)]
+    return [
+        DilocoConfig(
+            enabled=True,
+            cluster_id=f"dc-{i}",
+            port=ports[i],
+            peers=[
+                {"cluster_id": f"dc-{j}", "urls": [f"http://127.0.0.1:{ports[j]}"]}  # type: ignore[list-item]
+                for j in range(num_dcs)
+                if j != i
+            ],
+            secret_env=secret_env,
+            **fields,
+        )
+        for i in range(num_dcs)
+    ]
+
+
+def spawn(
+    cfg: DilocoConfig,
+    root: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    prefix: list[str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start a toy DC for ``cfg`` under ``root/<cluster_id>/`` (its log is ``<cluster_id>.jsonl``).
+
+    ``prefix`` runs it under another command (``ip netns exec ns``)."""
+    work = root / cfg.cluster_id
+    work.mkdir(parents=True, exist_ok=True)
+    config = work / "config.json"
+    config.write_text(cfg.model_dump_json())
+    command = [
+        *(prefix or []),
+        sys.executable,
+        "-m",
+        "prime_composer.diloco.toy",
+        "--config",
+        str(config),
+        "--work-dir",
+        str(work),
+        "--out",
+        str(root / f"{cfg.cluster_id}.jsonl"),
+        "--stop-file",
+        str(root / "STOP"),
+        *args,
+    ]
+    stderr = open(work / "stderr.log", "ab")  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(command, env={**os.environ, **(env or {})}, stdout=stderr, stderr=stderr)
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines a toy DC wrote (none if it has not started)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _die_after_publishing(store: Any, round_: int) -> None:
+    """SIGKILL this process right after its grad payload of ``round_`` is served: mid-round."""
+    publish = store.publish
+
+    def publish_then_die(kind: str, r: int, data: bytes) -> None:
+        publish(kind, r, data)
+        if kind == "grad" and r == round_:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    store.publish = publish_then_die
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,8 +154,11 @@ def main(argv: list[str] | None = None) -> None:
 
     t_start = time.monotonic()
     outer = OuterLoop(cfg, model, args.work_dir)
+    if args.die_at_round is not None and outer.store is not None:
+        _die_after_publishing(outer.store, args.die_at_round)
     compute_s = 0.0
     step = 0
+    t_first = time.monotonic()
     with open(args.out, "a") as log:
         log.write(json.dumps({"start": True, "num_updates": outer.num_updates, "pid": os.getpid()}) + "\n")
         log.flush()
@@ -81,9 +169,8 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            if args.compute_s:
-                while time.monotonic() - t0 < args.compute_s:
-                    pass
+            if args.compute_s:  # a fixed step time, as a GPU step that leaves the CPU free
+                time.sleep(max(0.0, args.compute_s - (time.monotonic() - t0)))
             compute_s += time.monotonic() - t0
             if args.step_sleep_s:
                 time.sleep(args.step_sleep_s)
@@ -99,15 +186,13 @@ def main(argv: list[str] | None = None) -> None:
                     "members": result.members,
                     "committer": result.committer,
                     "digest": tensor_digest(outer.theta[f]),
-                    "loss": float(loss),
+                    "loss": float(loss.detach()),
+                    "t": round(time.monotonic() - t_start, 3),
+                    "round_s": outer.last_metrics.get("diloco/round_s"),
                 }
                 log.write(json.dumps(record) + "\n")
                 log.flush()
-            pending = outer._pending
-            if args.die_at_round is not None and pending is not None and pending[0] == args.die_at_round:
-                time.sleep(0.3)  # the payload is out; the round is under way
-                os.kill(os.getpid(), signal.SIGKILL)
-        wall_s = time.monotonic() - t_start
+        wall_s = time.monotonic() - t_first
         done = {
             "done": True,
             "wall_s": wall_s,

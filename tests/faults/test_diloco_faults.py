@@ -1,0 +1,159 @@
+"""DiLoCo under faults: a DC killed mid-round, its restart, and hostile payloads.
+
+- kill: the surviving DCs finish the round within the deadline and go on; the restarted DC
+  downloads the agreed state, contributes again and ends with the others' weights, bit for bit;
+- hostile peer: tampered, unsigned, replayed, foreign-run and forged-commit payloads served by a
+  real origin are all rejected (never a member of a round), each counted under its reason.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from prime_composer.config.diloco import DilocoConfig
+from prime_composer.diloco.exchange import Exchange
+from prime_composer.diloco.payload import encode, grad_body, tensor_digest
+from prime_composer.diloco.quantize import quantize
+from prime_composer.diloco.shardcast_store import Origin, ShardcastStore
+from prime_composer.diloco.toy import free_port, loopback_configs, read_log, spawn
+
+SECRET_ENV = "DILOCO_TEST_SECRET"
+ENV = {SECRET_ENV: "fault-secret"}
+
+
+def _wait(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    until = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > until:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_killed_dc_is_left_out_then_rejoins_with_identical_weights(tmp_path: Path) -> None:
+    deadline_s = 8.0
+    configs = loopback_configs(3, SECRET_ENV, sync_every=4, quantization="int4", round_deadline_s=deadline_s)
+    common = ["--steps", "64", "--step-sleep-s", "0.2"]
+    procs = {
+        c.cluster_id: spawn(
+            c, tmp_path, *common, "--seed", str(i), *(["--die-at-round", "2"] if i == 2 else []), env=ENV
+        )
+        for i, c in enumerate(configs)
+    }
+    log = {c.cluster_id: tmp_path / f"{c.cluster_id}.jsonl" for c in configs}
+    try:
+        _wait(lambda: procs["dc-2"].poll() is not None, 120, "dc-2 to die at round 2")
+        survivors_round_2 = lambda: all(  # noqa: E731
+            any(r.get("round") == 2 for r in read_log(log[c])) for c in ("dc-0", "dc-1")
+        )
+        _wait(survivors_round_2, 3 * deadline_s, "the survivors to finish round 2")
+        for c in ("dc-0", "dc-1"):
+            record = next(r for r in read_log(log[c]) if r.get("round") == 2)
+            assert record["round_s"] < deadline_s + 2.0, f"{c} took {record['round_s']} s for round 2"
+        # Restart it from nothing (no checkpoint): it must catch up from the committers' states.
+        procs["dc-2"] = spawn(configs[2], tmp_path, *common, "--seed", "2", env=ENV)
+        _wait(lambda: all(read_log(p) and "done" in read_log(p)[-1] for p in log.values()), 240, "all DCs")
+    finally:
+        (tmp_path / "STOP").touch()
+        for p in procs.values():
+            try:
+                p.wait(timeout=15)
+            except Exception:
+                p.kill()
+
+    logs = {c: read_log(p) for c, p in log.items()}
+    by_round = {c: {r["round"]: r for r in entries if "round" in r} for c, entries in logs.items()}
+    # Every round any two DCs both applied ended with the same global fragment.
+    for r in by_round["dc-0"]:
+        digests = {by_round[c][r]["digest"] for c in by_round if r in by_round[c]}
+        assert len(digests) == 1, f"round {r}: digests differ {digests}"
+    # Left out of the rounds while it was down, a member again after it came back.
+    assert "dc-2" not in by_round["dc-0"][3]["members"]
+    restart = max(i for i, e in enumerate(logs["dc-2"]) if e.get("start"))
+    assert logs["dc-2"][restart]["num_updates"] > 0, "the restarted DC should start from the agreed round"
+    rejoined = [e for e in logs["dc-2"][restart:] if "round" in e]
+    assert any("dc-2" in e["members"] for e in rejoined), "the restarted DC never contributed again"
+    assert {e[-1]["global_digest"] for e in logs.values()} == {logs["dc-0"][-1]["global_digest"]}
+
+
+def _grad_payload(
+    cfg: DilocoConfig, exchange: Exchange, round_: int, theta: torch.Tensor, **overrides: object
+) -> dict:
+    fields, body = grad_body(
+        quantize(torch.randn(theta.numel()), cfg.quantization, cfg.block_size), cfg.compression
+    )
+    header = exchange.header("grad", round_, 0, num_tokens=5, base_digest=tensor_digest(theta), **fields)
+    return {"header": header | overrides, "body": body}
+
+
+@pytest.mark.timeout(120)
+def test_hostile_payloads_are_all_rejected(tmp_path: Path) -> None:
+    honest_port, evil_port = free_port(), free_port()
+    secret = b"the-secret"
+    cfg = DilocoConfig(
+        cluster_id="dc-b",
+        port=honest_port,
+        peers=[{"cluster_id": "dc-a", "urls": [f"http://127.0.0.1:{evil_port}"]}],  # type: ignore[list-item]
+        secret_env=SECRET_ENV,
+        quantization="int4",
+        round_deadline_s=1.0,
+        poll_interval_s=0.05,
+    )
+    theta, momentum = torch.zeros(64), torch.zeros(64)
+    store = ShardcastStore(
+        tmp_path / "b",
+        "127.0.0.1",
+        honest_port,
+        {"dc-a": [f"http://127.0.0.1:{evil_port}"]},
+        secret.decode(),
+        cfg.keep_rounds,
+        cfg.poll_interval_s,
+    )
+    evil = Origin(tmp_path / "a", "127.0.0.1", evil_port, secret.decode(), keep_versions=30)
+    exchange = Exchange(cfg, store, secret, ["layout"])
+    evil_view = Exchange(cfg.model_copy(update={"cluster_id": "dc-a", "peers": []}), None, secret, ["layout"])
+    own = _grad_payload(cfg, exchange, 0, theta)
+    try:
+        valid_round_0 = encode(**_grad_payload(cfg, evil_view, 0, theta), secret=secret)
+        tampered = bytearray(encode(**_grad_payload(cfg, evil_view, 1, theta), secret=secret))
+        tampered[len(tampered) // 2] ^= 0xFF
+        cases = {
+            1: (bytes(tampered), "bad_signature"),
+            2: (encode(**_grad_payload(cfg, evil_view, 2, theta), secret=None), "unsigned"),
+            3: (valid_round_0, "replayed"),  # an old, validly signed payload served as round 3
+            4: (
+                encode(**_grad_payload(cfg, evil_view, 4, theta, run_id="other"), secret=secret),
+                "wrong_run_id",
+            ),
+            5: (encode(**_grad_payload(cfg, evil_view, 5, theta), secret=b"guessed"), "bad_signature"),
+        }
+        for round_, (data, reason) in cases.items():
+            evil.publish("grad", round_, data)
+            before = exchange.rejected[reason]
+            mine = encode(**(own | {"header": own["header"] | {"round": round_}}), secret=secret)
+            # dc-a sorts first: it is the coordinator; it never commits, so dc-b takes over.
+            result = exchange.run_round(round_, 0, mine, theta, momentum, ["dc-a", "dc-b"])
+            assert result.status == "applied" and result.members == ["dc-b"], (round_, reason)
+            assert exchange.rejected[reason] > before, (round_, reason, dict(exchange.rejected))
+        # A forged commit from the coordinator (unsigned) naming the attacker alone is rejected too.
+        forged = evil_view.header(
+            "commit",
+            6,
+            0,
+            base_digest=tensor_digest(theta),
+            members=[["dc-a", "x", 1]],
+            next_candidates=["dc-a"],
+        )
+        evil.publish("commit", 6, encode(forged, b"", secret=None))
+        mine = encode(**(own | {"header": own["header"] | {"round": 6}}), secret=secret)
+        result = exchange.run_round(6, 0, mine, theta, momentum, ["dc-a", "dc-b"])
+        assert result.members == ["dc-b"] and exchange.rejected["unsigned"] >= 2
+        assert set(exchange.rejected) == {"bad_signature", "unsigned", "replayed", "wrong_run_id"}
+    finally:
+        store.close()
+        evil.close()
