@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from prime_composer.config.diloco import DilocoConfig
+from prime_composer.config.diloco import DilocoConfig, PeerConfig
 from prime_composer.diloco.loop import OuterLoop
 from prime_composer.diloco.payload import tensor_digest
 
@@ -63,7 +63,7 @@ def loopback_configs(num_dcs: int, secret_env: str, **fields: Any) -> list[Diloc
             cluster_id=f"dc-{i}",
             port=ports[i],
             peers=[
-                {"cluster_id": f"dc-{j}", "urls": [f"http://127.0.0.1:{ports[j]}"]}  # type: ignore[list-item]
+                PeerConfig(cluster_id=f"dc-{j}", urls=[f"http://127.0.0.1:{ports[j]}"])
                 for j in range(num_dcs)
                 if j != i
             ],
