@@ -11,16 +11,25 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from prime_composer.diloco.toy import loopback_configs, read_log, spawn
+from prime_composer.config.diloco import DilocoConfig, TorchftConfig
+from prime_composer.diloco.toy import free_port, loopback_configs, read_log, spawn
 
 SECRET_ENV = "DILOCO_TEST_SECRET"
 
 
 def run_dcs(
-    tmp_path: Path, num_dcs: int, steps: int, timeout_s: float = 90.0, **fields: object
+    tmp_path: Path,
+    num_dcs: int,
+    steps: int,
+    timeout_s: float = 120.0,
+    configs: list[DilocoConfig] | None = None,
+    **fields: object,
 ) -> dict[str, list]:
-    configs = loopback_configs(num_dcs, SECRET_ENV, round_deadline_s=10.0, poll_interval_s=0.05, **fields)
+    """Run toy DCs (loopback shardcast configs unless ``configs``) to ``steps``; their logs."""
+    if configs is None:
+        configs = loopback_configs(num_dcs, SECRET_ENV, round_deadline_s=10.0, poll_interval_s=0.05, **fields)
     env = {SECRET_ENV: "test-secret", "PYTHONHASHSEED": "0"}
     procs = [
         spawn(c, tmp_path, "--steps", str(steps), "--seed", str(i + 1), env=env)
@@ -49,6 +58,7 @@ def rounds(log: list[dict]) -> dict[int, dict]:
     return {r["round"]: r for r in log if "round" in r}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("num_dcs", "fields"),
     [
@@ -90,6 +100,60 @@ def test_origin_requires_the_secret_except_on_health(tmp_path: Path) -> None:
         assert httpx.get(f"{base}/v1/", headers={"Authorization": "Bearer s3"}).status_code == 404
     finally:
         origin.close()
+
+
+def _torchft_configs(lighthouse_port: int, **fields: object) -> list[DilocoConfig]:
+    torchft = TorchftConfig(lighthouse=f"http://127.0.0.1:{lighthouse_port}", timeout_s=30)
+    return [
+        DilocoConfig(
+            enabled=True,
+            backend="torchft",
+            quantization="none",
+            cluster_id=f"dc-{i}",
+            port=free_port(),
+            torchft=torchft.model_copy(update={"store_port": free_port()}),
+            **fields,
+        )
+        for i in range(2)
+    ]
+
+
+@pytest.mark.slow
+def test_torchft_backend_agrees_and_matches_the_shardcast_outer_loop(tmp_path: Path) -> None:
+    """Same two DCs, same data, no quantization: torchft's DiLoCo (its own fragment schedule,
+    all-reduce and torch.optim.SGD) and ours end with the same global weights, bit for bit
+    (0.5 * a + 0.5 * b is exactly (a + b) / 2 in floating point)."""
+    import subprocess
+
+    # tau = 0: torchft takes a fragment's pseudo-gradient tau steps *before* its sync point and we
+    # take it at the sync point (and apply tau steps later); without overlap the two coincide.
+    schedule = {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0}
+    port = free_port()
+    lighthouse = subprocess.Popen(
+        [
+            "torchft_lighthouse",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--min_replicas",
+            "2",
+            "--join_timeout_ms",
+            "5000",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        torchft_logs = run_dcs(tmp_path / "torchft", 2, steps=13, configs=_torchft_configs(port, **schedule))
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    per_dc = [rounds(log) for log in torchft_logs.values()]
+    assert len(per_dc[0]) == 6 and per_dc[0].keys() == per_dc[1].keys()
+    assert all(per_dc[0][r]["digest"] == per_dc[1][r]["digest"] for r in per_dc[0])
+    ours = run_dcs(tmp_path / "shardcast", 2, steps=13, quantization="none", **schedule)
+    theirs_theta = torch.load(tmp_path / "torchft" / "dc-0" / "theta.pt")
+    ours_theta = torch.load(tmp_path / "shardcast" / "dc-0" / "theta.pt")
+    assert torch.equal(ours_theta, theirs_theta), (ours_theta - theirs_theta).abs().max()
 
 
 assert os.environ.get(SECRET_ENV) is None  # the secret only reaches the DC processes

@@ -87,6 +87,20 @@ def make_store(cfg: DilocoConfig, work_dir: Path, secret: bytes | None) -> Store
     )
 
 
+def build_outer_loop(
+    cfg: DilocoConfig, model: nn.Module, optimizer: torch.optim.Optimizer, work_dir: Path
+) -> Any:
+    """The outer loop of ``cfg.backend``: ``OuterLoop`` (shardcast) or ``TorchftOuterLoop``.
+
+    Both have ``after_inner_step``, ``state_dict``/``load_state_dict``, ``global_digest`` and
+    ``close``; torchft hooks ``optimizer`` itself, the shardcast loop does not need it."""
+    if cfg.backend == "torchft":
+        from prime_composer.diloco.torchft_backend import TorchftOuterLoop
+
+        return TorchftOuterLoop(cfg, model, optimizer)
+    return OuterLoop(cfg, model, work_dir)
+
+
 class OuterLoop:
     """See the module docstring. ``store`` overrides the shardcast store (tests)."""
 

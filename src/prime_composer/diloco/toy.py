@@ -6,7 +6,7 @@ regression task (the seed differs per DC, the target function does not), runs th
 after every step, and appends one JSON line per applied round to ``--out``: the round, fragment,
 members, committer and the SHA-256 of the new global fragment, so a test can check that every
 DC ended each round with the same bits. At the end it writes ``{"done": ...}`` with timings and
-keeps its origin up until ``--stop-file`` exists (peers may still be fetching from it).
+saves the global weights as ``<work-dir>/theta.pt``, and keeps its origin up until ``--stop-file`` exists (peers may still be fetching from it).
 
     python -m prime_composer.diloco.toy --config dc-a.json --steps 40 --out dc-a.jsonl
 
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from prime_composer.config.diloco import DilocoConfig, PeerConfig
-from prime_composer.diloco.loop import OuterLoop
+from prime_composer.diloco.loop import build_outer_loop
 from prime_composer.diloco.payload import tensor_digest
 
 
@@ -153,16 +153,18 @@ def main(argv: list[str] | None = None) -> None:
     w_true = torch.randn(args.width, 1, generator=target)
 
     t_start = time.monotonic()
-    outer = OuterLoop(cfg, model, args.work_dir)
-    if args.die_at_round is not None and outer.store is not None:
+    outer = build_outer_loop(cfg, model, optimizer, args.work_dir)
+    torchft = cfg.backend == "torchft"
+    num_syncs = 0
+    if args.die_at_round is not None and not torchft and outer.store is not None:
         _die_after_publishing(outer.store, args.die_at_round)
     compute_s = 0.0
-    step = 0
     t_first = time.monotonic()
     with open(args.out, "a") as log:
-        log.write(json.dumps({"start": True, "num_updates": outer.num_updates, "pid": os.getpid()}) + "\n")
+        start = step = 0 if torchft else outer.num_updates
+        log.write(json.dumps({"start": True, "num_updates": start, "pid": os.getpid()}) + "\n")
         log.flush()
-        while outer.num_updates < args.steps:
+        while (step if torchft else outer.num_updates) < args.steps:
             t0 = time.monotonic()
             x = torch.randn(args.batch, args.width, generator=generator)
             loss = (model(x) - torch.tanh(x @ w_true)).pow(2).mean()
@@ -174,10 +176,16 @@ def main(argv: list[str] | None = None) -> None:
             compute_s += time.monotonic() - t0
             if args.step_sleep_s:
                 time.sleep(args.step_sleep_s)
-            before = outer.last_result
-            outer.after_inner_step(step, args.batch, skipped=False)
+            before = None if torchft else outer.last_result
+            changed = outer.after_inner_step(step, args.batch, skipped=False)
             step += 1
-            result = outer.last_result
+            if torchft and changed:
+                # torchft syncs fragment k % P at its k-th outer step; alpha 0: local == global.
+                record = {"round": num_syncs, "digest": outer.global_digest(), "members": [], "t": 0.0}
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                num_syncs += 1
+            result = None if torchft else outer.last_result
             if result is not None and result is not before:
                 f = result.fragment
                 record = {
@@ -197,10 +205,11 @@ def main(argv: list[str] | None = None) -> None:
             "done": True,
             "wall_s": wall_s,
             "compute_s": compute_s,
-            "num_updates": outer.num_updates,
+            "num_updates": step if torchft else outer.num_updates,
             "global_digest": outer.global_digest(),
-            "rejected": dict(outer.exchange.rejected),
+            "rejected": {} if torchft else dict(outer.exchange.rejected),
         }
+        torch.save(torch.cat(outer.theta), args.work_dir / "theta.pt")
         log.write(json.dumps(done) + "\n")
         log.flush()
     while args.stop_file is not None and not args.stop_file.exists():
