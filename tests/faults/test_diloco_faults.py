@@ -157,3 +157,80 @@ def test_hostile_payloads_are_all_rejected(tmp_path: Path) -> None:
     finally:
         store.close()
         evil.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchft_backend_survives_a_kill_and_heals_the_restarted_dc(tmp_path: Path) -> None:
+    """The torchft version of the kill test: the survivor goes on alone after the heartbeat
+    timeout, the restarted DC heals from it (torchft's HTTP checkpoint transport) and both end
+    every later round with the same global weights."""
+    import subprocess
+
+    from prime_composer.config.diloco import TorchftConfig
+
+    port = free_port()
+    lighthouse = subprocess.Popen(
+        [
+            "torchft_lighthouse",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--min_replicas",
+            "1",
+            "--join_timeout_ms",
+            "3000",
+            "--heartbeat_timeout_ms",
+            "2000",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    torchft = TorchftConfig(lighthouse=f"http://127.0.0.1:{port}", timeout_s=10)
+    configs = [
+        DilocoConfig(
+            enabled=True,
+            backend="torchft",
+            quantization="none",
+            cluster_id=f"dc-{i}",
+            port=free_port(),
+            sync_every=4,
+            torchft=torchft.model_copy(update={"store_port": free_port()}),
+        )
+        for i in range(2)
+    ]
+    common = ["--steps", "80", "--step-sleep-s", "0.15", "--start-file", str(tmp_path / "START")]
+    procs = {
+        c.cluster_id: spawn(c, tmp_path, *common, "--seed", str(i), *(["--die-at-step", "10"] if i else []))
+        for i, c in enumerate(configs)
+    }
+    log = {c.cluster_id: tmp_path / f"{c.cluster_id}.jsonl" for c in configs}
+    try:
+        # Both managers heartbeat before either trains, so the first quorum holds both.
+        _wait(lambda: all(read_log(p) for p in log.values()), 120, "both DCs to start")
+        (tmp_path / "START").touch()
+        _wait(lambda: procs["dc-1"].poll() is not None, 120, "dc-1 to die")
+        procs["dc-1"] = spawn(configs[1], tmp_path, *common, "--seed", "1")
+        _wait(lambda: all(read_log(p) and "done" in read_log(p)[-1] for p in log.values()), 240, "both DCs")
+    finally:
+        (tmp_path / "STOP").touch()
+        for p in procs.values():
+            try:
+                p.wait(timeout=15)
+            except Exception:
+                p.kill()
+        lighthouse.kill()
+        lighthouse.wait()
+    logs = {c: read_log(p) for c, p in log.items()}
+    by_round = {c: {r["round"]: r for r in entries if "round" in r} for c, entries in logs.items()}
+    restart = max(i for i, e in enumerate(logs["dc-1"]) if e.get("start"))
+    after = {e["round"]: e for e in logs["dc-1"][restart:] if "round" in e}
+    assert after, "the restarted DC never synced"
+    assert min(after) > 3, "the restarted DC should join at the survivor's step, not from scratch"
+    shared = [r for r in after if r in by_round["dc-0"]]
+    assert shared, "no round both DCs applied after the restart"
+    for r in shared:
+        assert after[r]["digest"] == by_round["dc-0"][r]["digest"], f"round {r} differs after healing"
+    assert (
+        by_round["dc-0"][0]["members"] == 2 and by_round["dc-0"][0]["digest"] == by_round["dc-1"][0]["digest"]
+    )
+    assert any(by_round["dc-0"][r]["members"] == 1 for r in by_round["dc-0"]), "dc-0 never went on alone"

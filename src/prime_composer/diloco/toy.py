@@ -11,7 +11,7 @@ saves the global weights as ``<work-dir>/theta.pt``, and keeps its origin up unt
     python -m prime_composer.diloco.toy --config dc-a.json --steps 40 --out dc-a.jsonl
 
 ``--die-at-round R`` kills the process (SIGKILL) right after it published round R's payload
-(mid-round: before any commit);
+(mid-round: before any commit); ``--die-at-step N`` after inner step N (any backend);
 ``--step-sleep-s`` stands in for a slower trainer (not counted as compute); ``--compute-s`` pads
 every step to that many seconds of compute (sleeping, as a GPU step leaves the CPU free), so
 utilisation is measured against a known compute time. ``done`` reports ``compute_s`` and
@@ -139,9 +139,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1, help="data seed of this DC")
     parser.add_argument("--die-at-round", type=int, default=None)
+    parser.add_argument("--die-at-step", type=int, default=None, help="SIGKILL after this inner step")
     parser.add_argument("--step-sleep-s", type=float, default=0.0)
     parser.add_argument("--compute-s", type=float, default=0.0)
     parser.add_argument("--stop-file", type=Path, default=None)
+    parser.add_argument("--start-file", type=Path, default=None, help="wait for it before the first step")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -155,16 +157,22 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.monotonic()
     outer = build_outer_loop(cfg, model, optimizer, args.work_dir)
     torchft = cfg.backend == "torchft"
-    num_syncs = 0
     if args.die_at_round is not None and not torchft and outer.store is not None:
         _die_after_publishing(outer.store, args.die_at_round)
     compute_s = 0.0
-    t_first = time.monotonic()
     with open(args.out, "a") as log:
         start = step = 0 if torchft else outer.num_updates
         log.write(json.dumps({"start": True, "num_updates": start, "pid": os.getpid()}) + "\n")
         log.flush()
-        while (step if torchft else outer.num_updates) < args.steps:
+        while args.start_file is not None and not args.start_file.exists():
+            time.sleep(0.05)
+        t_first = time.monotonic()
+
+        def num_updates() -> int:
+            # torchft: the manager's step (a healed DC takes its peer's), in inner updates.
+            return outer.manager.current_step() * cfg.steps_per_fragment if torchft else outer.num_updates
+
+        while num_updates() < args.steps:
             t0 = time.monotonic()
             x = torch.randn(args.batch, args.width, generator=generator)
             loss = (model(x) - torch.tanh(x @ w_true)).pow(2).mean()
@@ -181,10 +189,16 @@ def main(argv: list[str] | None = None) -> None:
             step += 1
             if torchft and changed:
                 # torchft syncs fragment k % P at its k-th outer step; alpha 0: local == global.
-                record = {"round": num_syncs, "digest": outer.global_digest(), "members": [], "t": 0.0}
+                record = {
+                    "round": outer.manager.current_step() - 1,
+                    "digest": outer.global_digest(),
+                    "members": outer.manager.num_participants(),
+                    "t": round(time.monotonic() - t_start, 3),
+                }
                 log.write(json.dumps(record) + "\n")
                 log.flush()
-                num_syncs += 1
+            if args.die_at_step is not None and step == args.die_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)
             result = None if torchft else outer.last_result
             if result is not None and result is not before:
                 f = result.fragment
@@ -205,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
             "done": True,
             "wall_s": wall_s,
             "compute_s": compute_s,
-            "num_updates": step if torchft else outer.num_updates,
+            "num_updates": num_updates(),
             "global_digest": outer.global_digest(),
             "rejected": {} if torchft else dict(outer.exchange.rejected),
         }
