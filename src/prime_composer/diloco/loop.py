@@ -114,6 +114,12 @@ class OuterLoop:
     ) -> None:
         if cfg.backend != "shardcast":
             raise ValueError('OuterLoop runs backend = "shardcast"; use diloco.torchft_backend for torchft')
+        if any(hasattr(p, "to_local") for p in model.parameters()):
+            raise ValueError(
+                'diloco with backend = "shardcast" runs on a DC with one trainer rank for now (its '
+                "fragments are whole tensors; FSDP shards are not gathered yet): set trainer.num_ranks = 1 "
+                'or use backend = "torchft"'
+            )
         self.cfg = cfg
         self.work_dir = Path(work_dir)
         self.fragments: list[Fragment] = split_fragments(model, cfg.num_fragments)
