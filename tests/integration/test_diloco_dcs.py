@@ -143,14 +143,14 @@ def test_torchft_backend_agrees_and_matches_the_shardcast_outer_loop(tmp_path: P
         stderr=subprocess.DEVNULL,
     )
     try:
-        torchft_logs = run_dcs(tmp_path / "torchft", 2, steps=13, configs=_torchft_configs(port, **schedule))
+        torchft_logs = run_dcs(tmp_path / "torchft", 2, steps=12, configs=_torchft_configs(port, **schedule))
     finally:
         lighthouse.kill()
         lighthouse.wait()
     per_dc = [rounds(log) for log in torchft_logs.values()]
     assert len(per_dc[0]) == 6 and per_dc[0].keys() == per_dc[1].keys()
     assert all(per_dc[0][r]["digest"] == per_dc[1][r]["digest"] for r in per_dc[0])
-    ours = run_dcs(tmp_path / "shardcast", 2, steps=13, quantization="none", **schedule)
+    ours = run_dcs(tmp_path / "shardcast", 2, steps=12, quantization="none", **schedule)
     assert len({log[-1]["global_digest"] for log in ours.values()}) == 1
     theirs_theta = torch.load(tmp_path / "torchft" / "dc-0" / "theta.pt")
     ours_theta = torch.load(tmp_path / "shardcast" / "dc-0" / "theta.pt")
