@@ -10,8 +10,9 @@ with different global weights. The agreement here is a per-round commit by a coo
    sorted; all DCs at the start) that is alive. It waits until every peer whose origin answers
    has sent its payload, or ``round_deadline_s``, and publishes a ``commit``: the ordered members
    (cluster, payload digest, tokens) whose ``base_digest`` equals its own, and the next round's
-   candidates. A late DC is simply not a member. If candidate ``j`` has published no commit after
-   ``(j + 1) * round_deadline_s``, candidate ``j + 1`` commits instead (failover);
+   candidates. A late DC is simply not a member. Candidate ``j`` commits after
+   ``(j + 1) * round_deadline_s`` if no earlier candidate has (failover); a DC that is not a
+   candidate (it was left out) comes after them all;
 3. every DC takes the first commit in candidate order, downloads any member payload it lacks,
    averages the dequantized pseudo-gradients weighted by tokens *in the commit's order*, and takes
    the outer step. Same inputs, same order, same float32 CPU operations: bit-identical results.
@@ -163,8 +164,11 @@ class Exchange:
             return self._finish(round_, fragment, alone, got, theta, momentum, base_digest, t0)
         self.store.publish("grad", round_, own_payload)
         deadline = self.cfg.round_deadline_s
-        my_index = candidates.index(self.me) if self.me in candidates else None
-        watch = candidates[: my_index if my_index is not None else len(candidates)]
+        # A DC left out of the last round comes last, so that it still commits when every
+        # candidate before it is gone.
+        order = candidates if self.me in candidates else [*candidates, self.me]
+        my_index = order.index(self.me)
+        watch = order[:my_index]
         commit: dict[str, Any] | None = None
         while commit is None:
             elapsed = time.monotonic() - t0
@@ -172,14 +176,12 @@ class Exchange:
             commit = self._find_commit(round_, fragment, watch)
             if commit is not None:
                 break
-            if my_index is not None:
-                waiting_for = [c for c in alive if c not in got]
-                acts_at = (my_index + 1) * deadline if my_index > 0 else deadline
-                if (my_index == 0 and not waiting_for) or elapsed >= acts_at:
-                    commit = self._commit_header(round_, fragment, got, base_digest, candidates)
-                    self.store.publish("commit", round_, encode(commit, b"", self.secret))
-                    break
-            if elapsed >= (len(candidates) + 1) * deadline:
+            waiting_for = [c for c in alive if c not in got]
+            if (my_index == 0 and not waiting_for) or elapsed >= (my_index + 1) * deadline:
+                commit = self._commit_header(round_, fragment, got, base_digest, candidates)
+                self.store.publish("commit", round_, encode(commit, b"", self.secret))
+                break
+            if elapsed >= (len(order) + 1) * deadline:  # cannot happen unless publishing fails
                 logger.warning("diloco: no commit for round %d after %.0f s", round_, elapsed)
                 return RoundResult(round_, fragment, "diverged", metrics=self._metrics(t0, got))
             time.sleep(self.cfg.poll_interval_s)

@@ -20,6 +20,11 @@ shardcast 0.3.2 is used without patching its files, working around its defects:
   every server's success rate reaches 0: ``_Downloader`` overrides those methods to fetch
   in-process with ``httpx`` (sending the bearer token), under a deadline, into this DC's own
   download directory, and falls back to uniform server weights.
+
+Downloads use ``httpx`` inside shardcast's downloader rather than ``client.http.EndpointClient``
+(which is async and JSON-shaped): shardcast keeps its per-server speed/success weighting and
+parallel shards, every attempt is bounded by the round's deadline, and failures come back as
+``None`` (data), never as exceptions.
 """
 
 from __future__ import annotations
