@@ -40,7 +40,9 @@ def test_killed_dc_is_left_out_then_rejoins_with_identical_weights(tmp_path: Pat
     """dc-0 sorts first, so it coordinates; killing it makes dc-1 commit after the failover wait."""
     deadline_s = 4.0
     configs = loopback_configs(3, SECRET_ENV, sync_every=4, quantization="int4", round_deadline_s=deadline_s)
-    common = ["--steps", "64", "--step-sleep-s", "0.2"]
+    # Many steps: the test ends the run (STOP) once the restarted DC has contributed a few rounds,
+    # however long its start-up takes on a loaded machine.
+    common = ["--steps", "2000", "--step-sleep-s", "0.2"]
     procs = {
         c.cluster_id: spawn(
             c, tmp_path, *common, "--seed", str(i), *(["--die-at-round", "2"] if i == victim else []), env=ENV
@@ -64,7 +66,15 @@ def test_killed_dc_is_left_out_then_rejoins_with_identical_weights(tmp_path: Pat
             assert record["round_s"] < limit_s, f"{c} took {record['round_s']} s for round 2"
         # Restart it from nothing (no checkpoint): it must catch up from the committers' states.
         procs[dead] = spawn(configs[victim], tmp_path, *common, "--seed", str(victim), env=ENV)
-        _wait(lambda: all(read_log(p) and "done" in read_log(p)[-1] for p in log.values()), 240, "all DCs")
+
+        def contributed_again() -> bool:
+            entries = read_log(log[dead])
+            restart = max(i for i, e in enumerate(entries) if e.get("start"))
+            return sum(dead in e.get("members", ()) for e in entries[restart:]) >= 3
+
+        _wait(contributed_again, 240, f"the restarted {dead} to contribute 3 rounds")
+        (tmp_path / "STOP").touch()
+        _wait(lambda: all(read_log(p) and "done" in read_log(p)[-1] for p in log.values()), 60, "all DCs")
     finally:
         (tmp_path / "STOP").touch()
         for p in procs.values():
@@ -84,8 +94,8 @@ def test_killed_dc_is_left_out_then_rejoins_with_identical_weights(tmp_path: Pat
     restart = max(i for i, e in enumerate(logs[dead]) if e.get("start"))
     assert logs[dead][restart]["num_updates"] > 0, "the restarted DC should start from the agreed round"
     rejoined = [e for e in logs[dead][restart:] if "round" in e]
-    assert any(dead in e["members"] for e in rejoined), "the restarted DC never contributed again"
-    assert {e[-1]["global_digest"] for e in logs.values()} == {logs["dc-0"][-1]["global_digest"]}
+    shared = [e["round"] for e in rejoined if all(e["round"] in by_round[c] for c in by_round)]
+    assert len(shared) >= 3, "the restarted DC should apply rounds together with the survivors"
 
 
 def _grad_payload(
@@ -205,7 +215,7 @@ def test_torchft_backend_survives_a_kill_and_heals_the_restarted_dc(tmp_path: Pa
         )
         for i in range(2)
     ]
-    common = ["--steps", "80", "--step-sleep-s", "0.15", "--start-file", str(tmp_path / "START")]
+    common = ["--steps", "2000", "--step-sleep-s", "0.15", "--start-file", str(tmp_path / "START")]
     procs = {
         c.cluster_id: spawn(c, tmp_path, *common, "--seed", str(i), *(["--die-at-step", "10"] if i else []))
         for i, c in enumerate(configs)
@@ -217,7 +227,15 @@ def test_torchft_backend_survives_a_kill_and_heals_the_restarted_dc(tmp_path: Pa
         (tmp_path / "START").touch()
         _wait(lambda: procs["dc-1"].poll() is not None, 120, "dc-1 to die")
         procs["dc-1"] = spawn(configs[1], tmp_path, *common, "--seed", "1")
-        _wait(lambda: all(read_log(p) and "done" in read_log(p)[-1] for p in log.values()), 240, "both DCs")
+
+        def healed_rounds() -> int:
+            entries = read_log(log["dc-1"])
+            restart = max(i for i, e in enumerate(entries) if e.get("start"))
+            return sum("round" in e for e in entries[restart:])
+
+        _wait(lambda: healed_rounds() >= 3, 240, "the restarted dc-1 to sync 3 rounds")
+        (tmp_path / "STOP").touch()
+        _wait(lambda: all(read_log(p) and "done" in read_log(p)[-1] for p in log.values()), 60, "both DCs")
     finally:
         (tmp_path / "STOP").touch()
         for p in procs.values():

@@ -6,7 +6,7 @@ regression task (the seed differs per DC, the target function does not), runs th
 after every step, and appends one JSON line per applied round to ``--out``: the round, fragment,
 members, committer and the SHA-256 of the new global fragment, so a test can check that every
 DC ended each round with the same bits. At the end it writes ``{"done": ...}`` with timings and
-saves the global weights as ``<work-dir>/theta.pt``, and keeps its origin up until ``--stop-file`` exists (peers may still be fetching from it).
+saves the global weights as ``<work-dir>/theta.pt``, and keeps its origin up until ``--stop-file`` exists (which also ends training early) (peers may still be fetching from it).
 
     python -m prime_composer.diloco.toy --config dc-a.json --steps 40 --out dc-a.jsonl
 
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
             # torchft: the manager's step (a healed DC takes its peer's), in inner updates.
             return outer.manager.current_step() * cfg.steps_per_fragment if torchft else outer.num_updates
 
-        while num_updates() < args.steps:
+        while num_updates() < args.steps and not (args.stop_file is not None and args.stop_file.exists()):
             t0 = time.monotonic()
             x = torch.randn(args.batch, args.width, generator=generator)
             loss = (model(x) - torch.tanh(x @ w_true)).pow(2).mean()
