@@ -31,12 +31,19 @@ def run_dcs(
     if configs is None:
         configs = loopback_configs(num_dcs, SECRET_ENV, round_deadline_s=10.0, poll_interval_s=0.05, **fields)
     env = {SECRET_ENV: "test-secret", "PYTHONHASHSEED": "0"}
+    # Training starts once every DC is up (START), so a slow start-up never leaves one out.
+    start = ["--start-file", str(tmp_path / "START")]
     procs = [
-        spawn(c, tmp_path, "--steps", str(steps), "--seed", str(i + 1), env=env)
+        spawn(c, tmp_path, "--steps", str(steps), "--seed", str(i + 1), *start, env=env)
         for i, c in enumerate(configs)
     ]
     try:
         deadline = time.monotonic() + timeout_s
+        while not all(read_log(tmp_path / f"{c.cluster_id}.jsonl") for c in configs):
+            assert time.monotonic() < deadline, "DCs did not start"
+            assert all(p.poll() is None for p in procs), "a DC exited early: see its stderr.log"
+            time.sleep(0.2)
+        (tmp_path / "START").touch()
         while time.monotonic() < deadline:
             logs = {c.cluster_id: read_log(tmp_path / f"{c.cluster_id}.jsonl") for c in configs}
             if all(log and "done" in log[-1] for log in logs.values()):
