@@ -217,3 +217,20 @@ def test_a_failing_player_fails_the_step_loudly() -> None:
 def test_max_inflight_must_hold_a_group() -> None:
     with pytest.raises(ValueError, match="max_inflight"):
         OrchestratorConfig(group_size=8, batch_size=16, max_inflight=4)
+
+
+def test_on_policy_a_step_that_runs_out_of_replacements_leaves_nothing_for_the_next() -> None:
+    """Every group of step 0 is unusable: it consumes its budget, and no group drawn for it spills
+    into step 1 with step 0's weights, whatever the timing (the draws of step 1 stay the same)."""
+    rng = random.Random(3)
+    flat = set(range(6))  # (1 + 1) x 3 groups: all of step 0's budget is unusable
+    runs = []
+    for seed in range(3):
+        delays = {g: rng.uniform(0, 0.02) for g in range(40)}
+        player = Player(delays, flat=flat)
+        batches, _ = asyncio.run(run(config(max_async_level=0, max_steps=2, max_refill_rounds=1), player))
+        assert batches[0].num_groups == 6 and batches[0].kept == []
+        assert batches[1].policy_steps == [1, 1, 1]  # nothing from step 0's weights
+        runs.append([ids(b) for b in batches])
+        assert all(policy == g // 6 or g >= 6 for g, policy in player.launched)
+    assert runs[0] == runs[1] == runs[2] == [[], [6, 7, 8]]

@@ -70,6 +70,7 @@ class CheckpointPart:
 CHECKPOINT_PARTS: tuple[CheckpointPart, ...] = (
     CheckpointPart(name="trainer", writer="trainer"),
     CheckpointPart(name="orchestrator", writer="orchestrator"),
+    CheckpointPart(name="diloco", writer="trainer", enabled=lambda rl: rl.diloco.enabled),
 )
 """Every part a checkpoint can have; a step is resumable when all of the run's parts are complete."""
 

@@ -35,6 +35,7 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
             f"or the trainer could miss a step the orchestrator already deleted"
         )
     _check_sdpo(config, origins)
+    _copy_diloco(config, origins)
     inference = config.inference
     expected = f"http://{_client_host(inference.host)}:{inference.port}/v1"
     if "base_url" in config.orchestrator.model_fields_set and config.orchestrator.base_url != expected:
@@ -59,6 +60,20 @@ def set_shared(config: RLConfig, dotted: str, value: object) -> None:
                 break
         if node is not None and leaf in type(node).model_fields:
             setattr(node, leaf, value)
+
+
+def _copy_diloco(config: RLConfig, origins: dict[str, str]) -> None:
+    """``[diloco]`` is set at the top level (each data center's file swaps it) and runs in the
+    trainer; the shardcast backend needs one trainer rank per data center for now."""
+    if any(key.startswith("trainer.diloco") for key in origins):
+        key = next(k for k in origins if k.startswith("trainer.diloco"))
+        raise ConfigError(f"{origins[key]}: set [diloco] at the top level, not trainer.diloco (rl copies it)")
+    config.trainer.diloco = config.diloco
+    if config.diloco.enabled and config.diloco.backend == "shardcast" and config.trainer.num_ranks > 1:
+        raise ConfigError(
+            f'{origin_of("diloco.enabled", origins)}: diloco with backend = "shardcast" needs trainer.num_ranks = 1 '
+            f'per data center for now (it is {config.trainer.num_ranks}); or use backend = "torchft"'
+        )
 
 
 def _check_sdpo(config: RLConfig, origins: dict[str, str]) -> None:

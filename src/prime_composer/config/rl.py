@@ -9,6 +9,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prime_composer.config.base import BaseConfig
 from prime_composer.config.common import CommonConfig
+from prime_composer.config.diloco import DilocoConfig
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.config.orchestrator import OrchestratorConfig
 from prime_composer.config.trainer import TrainerConfig
@@ -92,6 +93,9 @@ class RLConfig(BaseSettings, CommonConfig):
 
     inference: InferenceConfig = InferenceConfig()
     """The inference server process."""
+
+    diloco: DilocoConfig = DilocoConfig()
+    """The optional Streaming DiLoCo outer loop: this run is one data center of several (``[diloco]``)."""
 
     warmup: WarmupConfig = WarmupConfig()
     """Optional SFT warm-up stage before RL."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from prime_composer.config.common import CommonConfig
+from prime_composer.config.diloco import DilocoConfig
 from prime_composer.config.loss import LossConfig
 from prime_composer.config.optim import OptimConfig
 
@@ -27,6 +28,9 @@ class TrainerConfig(CommonConfig):
     max_skipped_steps: int = Field(default=3, ge=1)
     """Stop the run (an error saying so) after this many optimizer steps in a row were skipped for a
     non-finite loss or gradient norm: the policy has diverged and more steps will not help."""
+
+    diloco: DilocoConfig = DilocoConfig()
+    """The Streaming DiLoCo outer loop across data centers (``rl`` copies the top-level ``[diloco]``)."""
 
     keep_broadcasts: int = Field(default=3, ge=1)
     """How many of the newest published weight versions to keep under ``broadcasts/``."""

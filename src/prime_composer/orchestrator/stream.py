@@ -17,8 +17,9 @@ time (``next_step``):
   failed, when its rewards are all equal under dynamic sampling, or when its weights are more
   than ``max_off_policy_steps`` behind the batch; unusable groups are counted and replaced. A step
   consumes at most ``(1 + max_refill_rounds) x num_groups`` groups and then trains on what it has;
-  replacements still in flight then go to the next step. In draw order the batches do not depend
-  on timing, so an on-policy run is exact and resumes exactly.
+  when only the current step may be sampled for (on-policy), no group beyond that budget is
+  launched, so none spills into the next step. In draw order the batches do not depend on timing,
+  so an on-policy run is exact and resumes exactly.
 
 The stream also keeps the inference server on the newest published weights: before launching it
 loads newer weights when the trainer has published some (``PolicySync.load_newest``), and when
@@ -113,6 +114,8 @@ class RolloutStream:
         """The step whose batch is being formed (or next to be)."""
         self._consumed = OrchestratorState(drawn.step, drawn.groups_drawn, list(drawn.env_draws))
         self._next_id = drawn.groups_drawn
+        self._step_start = drawn.groups_drawn
+        """Id of the first group of the step being formed."""
         self._draws_after: dict[int, list[int]] = {}
         """Environment draw counts after each drawn, unconsumed group."""
         self._pending: dict[int, asyncio.Task[list[Sample]]] = {}
@@ -170,6 +173,7 @@ class RolloutStream:
             out.kept.extend(group_samples)
         self.step += 1
         self._kept_now = 0
+        self._step_start = self._next_id
         self._wake.set()
         return out
 
@@ -224,7 +228,15 @@ class RolloutStream:
 
     def _may_launch(self) -> bool:
         in_flight = len(self._pending) * self.config.group_size
-        return in_flight + self.config.group_size <= self.max_inflight and self._usable_ahead < self._demand()
+        if in_flight + self.config.group_size > self.max_inflight or self._usable_ahead >= self._demand():
+            return False
+        last_allowed = self.policy.loaded_step + self.config.max_async_level
+        if last_allowed <= self.step and self.drawn.groups_drawn >= self._step_start + self.max_consumed:
+            # Only this step may be sampled for and it cannot consume more: a group drawn now would
+            # land in the next step with older weights, and how many such groups there are would
+            # depend on timing (an on-policy run would no longer be exact).
+            return False
+        return True
 
     async def _pump(self) -> None:
         try:

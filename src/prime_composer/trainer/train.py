@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-from prime_composer.checkpoint_layout import resume_step
+from prime_composer.checkpoint_layout import prune_part, resume_step
 from prime_composer.config.errors import RunError
 from prime_composer.config.trainer import TrainerConfig
+from prime_composer.diloco.loop import build_outer_loop
 from prime_composer.metrics import MetricsLogger
 from prime_composer.trainer.checkpoint import CheckpointManager
 from prime_composer.trainer.losses.aggregate import all_reduce_sum
@@ -62,6 +63,13 @@ class Trainer:
         self.terms_context = TermContext(self.model, make_copy=make_copy, world_size=world.world_size)
         self.terms = build_terms(config.loss, self.terms_context)
         self.ckpt = CheckpointManager(config.output_dir / "checkpoints", config.ckpt.keep, world)
+        # The outer loop wraps the step from outside: after each optimizer step it may move the
+        # weights (an outer step), which the publish that follows then serves.
+        self.outer = (
+            build_outer_loop(config.diloco, self.model, self.optimizer, config.output_dir / "diloco")
+            if config.diloco.enabled
+            else None
+        )
         self.broadcast_root = config.output_dir / "broadcasts"
         self.metrics = MetricsLogger(config.output_dir, "trainer") if world.is_main else None
         self.start_step = 0
@@ -71,6 +79,8 @@ class Trainer:
         ckpt = self.config.ckpt
         step = resume_step(self.config.output_dir / "checkpoints", ckpt.resume_step, ckpt.parts)
         self.ckpt.load(step, self.model, self.optimizer, self.scheduler, states=self._checkpoint_states())
+        if self.outer is not None:  # after the model: it may catch up with newer global weights
+            self.outer.load(self.config.output_dir / "checkpoints", step)
         self.start_step = step
         logger.info("resumed from the checkpoint of step %d", step)
         # The inference server restarts on the base weights: republish the resumed ones.
@@ -106,6 +116,10 @@ class Trainer:
 
     def save_checkpoint(self, step: int) -> None:
         self.ckpt.save(step, self.model, self.optimizer, self.scheduler, states=self._checkpoint_states())
+        if self.outer is not None:
+            root = self.config.output_dir / "checkpoints"
+            self.outer.save(root, step)
+            prune_part(root, "diloco", self.config.ckpt.keep, keep_also=step)
 
     def _checkpoint_states(self) -> dict[str, Any]:
         """State saved beside model and optimizer: the policy copies the loss terms made (an EMA or
@@ -122,7 +136,7 @@ class Trainer:
                 t0 = time.monotonic()
                 micro_batches = receiver.receive(step, self.world.rank)
                 wait_s = time.monotonic() - t0
-                metrics = self.step(micro_batches)
+                metrics = self.step(micro_batches, step)
                 metrics["time/wait_data_s"] = wait_s
                 self.publish(step + 1)
                 metrics["time/step_total_s"] = time.monotonic() - t0
@@ -139,8 +153,11 @@ class Trainer:
                 self.save_checkpoint(config.max_steps)
         finally:
             receiver.close()
+            if self.outer is not None:
+                self.outer.close()
 
-    def step(self, micro_batches: list[MicroBatch]) -> dict[str, Any]:
+    def step(self, micro_batches: list[MicroBatch], step: int | None = None) -> dict[str, Any]:
+        """One optimizer step on this rank's micro-batches (``step``: its index, for the outer loop)."""
         t0 = time.monotonic()
         optim = self.config.optim
         result = train_step(
@@ -164,9 +181,17 @@ class Trainer:
                     f"Lower trainer.optim.lr (now {optim.lr}) or trainer.optim.max_grad_norm, or check the "
                     "rewards (trainer.max_skipped_steps sets how many skipped steps stop the run)"
                 )
-        elapsed = time.monotonic() - t0
         num_tokens = int(all_reduce_sum(torch.tensor(result.num_tokens, dtype=torch.float64)).item())
+        outer_metrics: dict[str, float] = {}
+        if self.outer is not None:
+            index = step if step is not None else self.start_step
+            self.outer.after_inner_step(index, num_tokens, skipped=outcome.skipped)
+            outer_metrics = {
+                f"diloco/{k.removeprefix('diloco/')}": v for k, v in self.outer.last_metrics.items()
+            }
+        elapsed = time.monotonic() - t0
         return {
+            **outer_metrics,
             "loss/total": result.loss.item(),
             "entropy": result.metrics.get("rl/entropy"),
             **result.metrics,
