@@ -225,7 +225,7 @@ def test_on_policy_a_step_that_runs_out_of_replacements_leaves_nothing_for_the_n
     rng = random.Random(3)
     flat = set(range(6))  # (1 + 1) x 3 groups: all of step 0's budget is unusable
     runs = []
-    for seed in range(3):
+    for _ in range(3):
         delays = {g: rng.uniform(0, 0.02) for g in range(40)}
         player = Player(delays, flat=flat)
         batches, _ = asyncio.run(run(config(max_async_level=0, max_steps=2, max_refill_rounds=1), player))

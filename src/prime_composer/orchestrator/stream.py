@@ -230,13 +230,11 @@ class RolloutStream:
         in_flight = len(self._pending) * self.config.group_size
         if in_flight + self.config.group_size > self.max_inflight or self._usable_ahead >= self._demand():
             return False
-        last_allowed = self.policy.loaded_step + self.config.max_async_level
-        if last_allowed <= self.step and self.drawn.groups_drawn >= self._step_start + self.max_consumed:
-            # Only this step may be sampled for and it cannot consume more: a group drawn now would
-            # land in the next step with older weights, and how many such groups there are would
-            # depend on timing (an on-policy run would no longer be exact).
-            return False
-        return True
+        # When only this step may be sampled for and it cannot consume more, a group drawn now would
+        # land in the next step with older weights, and how many such groups there are would depend
+        # on timing (an on-policy run would no longer be exact).
+        only_this_step = self.policy.loaded_step + self.config.max_async_level <= self.step
+        return not (only_this_step and self.drawn.groups_drawn >= self._step_start + self.max_consumed)
 
     async def _pump(self) -> None:
         try:
