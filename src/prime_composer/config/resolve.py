@@ -35,6 +35,7 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
             f"or the trainer could miss a step the orchestrator already deleted"
         )
     _check_sdpo(config, origins)
+    _check_replay(config, origins)
     _copy_diloco(config, origins)
     inference = config.inference
     expected = f"http://{_client_host(inference.host)}:{inference.port}/v1"
@@ -60,6 +61,29 @@ def set_shared(config: RLConfig, dotted: str, value: object) -> None:
                 break
         if node is not None and leaf in type(node).model_fields:
             setattr(node, leaf, value)
+
+
+def _check_replay(config: RLConfig, origins: dict[str, str]) -> None:
+    """The replay channel, like SDPO, needs both halves; the orchestrator learns where the teacher
+    service listens (it posts its rollouts there as traces)."""
+    enabled = config.orchestrator.replay.enabled
+    weight = config.trainer.loss.replay.weight
+    if enabled and weight == 0:
+        raise ConfigError(
+            f"{origin_of('orchestrator.replay.enabled', origins)}: orchestrator.replay.enabled = true but "
+            "trainer.loss.replay.weight = 0, so the pairs would never be trained on: set "
+            "trainer.loss.replay.weight > 0 (e.g. 0.05) or orchestrator.replay.enabled = false"
+        )
+    if weight > 0 and not enabled:
+        raise ConfigError(
+            f"{origin_of('trainer.loss.replay.weight', origins)}: trainer.loss.replay.weight = {weight} but "
+            "orchestrator.replay.enabled = false, so no batch would ever carry a pair: set "
+            "orchestrator.replay.enabled = true or trainer.loss.replay.weight = 0"
+        )
+    teacher = config.teacher
+    if teacher is not None:
+        config.orchestrator.replay.teacher_url = f"http://{_client_host(teacher.host)}:{teacher.port}"
+        config.orchestrator.replay.teacher_secret_env = teacher.secret_env
 
 
 def _copy_diloco(config: RLConfig, origins: dict[str, str]) -> None:

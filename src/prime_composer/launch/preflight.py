@@ -54,6 +54,10 @@ def _secret_problems(config: RLConfig) -> list[str]:
         if "llm" in config.orchestrator.sdpo.sources and config.orchestrator.sdpo.enabled
         else None,
     }
+    if config.teacher is not None:
+        named["teacher.secret_env"] = config.teacher.secret_env
+        for i, endpoint in enumerate(config.teacher.pool):
+            named[f"teacher.pool[{i}].api_key_env"] = endpoint.api_key_env
     for key, variable in named.items():
         if variable is not None and not os.environ.get(variable):
             problems.append(f"{key} = {variable!r}, but that environment variable is not set (export it)")
@@ -98,6 +102,8 @@ def _environment_problems(config: RLConfig) -> list[str]:
 
 def _port_problems(config: RLConfig) -> list[str]:
     wanted = [("inference.port", config.inference.host, config.inference.port)]
+    if config.teacher is not None:
+        wanted.append(("teacher.port", config.teacher.host, config.teacher.port))
     if config.transport.kind == "zmq":
         wanted.append(("transport.port", config.transport.host, config.transport.port))
     problems = []
