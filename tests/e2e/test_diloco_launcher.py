@@ -49,7 +49,7 @@ def test_two_dcs_end_with_the_same_global_weights(tmp_path: Path) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for name in "ab"
     }
     outputs = {name: proc.communicate(timeout=1500)[0] for name, proc in procs.items()}
