@@ -104,9 +104,13 @@ class ReplyStream(Protocol):
 class ToolCallParser(Protocol):
     """Turns a reply's text into content and tool calls."""
 
-    name: str
-    vllm_name: str
-    """The name of vLLM's parser for the same format (``--tool-call-parser``)."""
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def vllm_name(self) -> str:
+        """The name of vLLM's parser for the same format (``--tool-call-parser``)."""
+        ...
 
     def parse(self, text: str) -> ParsedReply: ...
 

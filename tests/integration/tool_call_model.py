@@ -60,7 +60,11 @@ ANSWER = [
         "role": "assistant",
         "content": None,
         "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
         ],
     },
     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},

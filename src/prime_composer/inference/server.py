@@ -187,7 +187,7 @@ def _check_tool_format(tokenizer: Any, parser_name: str | None) -> None:
             "this model's chat template does not render tools: chat requests with tools will be refused"
         )
     parser = get_parser(parser_name)
-    markers = {getattr(parser, "OPEN", None), getattr(parser, "CLOSE", None)} - {None}
+    markers = {str(m) for m in (getattr(parser, "OPEN", None), getattr(parser, "CLOSE", None)) if m}
     special = sorted(markers & set(getattr(tokenizer, "all_special_tokens", ())))
     if special:
         logger.warning(

@@ -172,7 +172,7 @@ class ToolCallStats:
 def template_tools(tools: list[dict[str, Any]], function: str | None) -> list[dict[str, Any]]:
     """``tools`` in the form vLLM hands chat templates; a 400 naming ``tools[i]`` for a bad entry,
     or when the function ``tool_choice`` names is not among them."""
-    out = []
+    out: list[dict[str, Any]] = []
     for i, tool in enumerate(tools):
         spec = tool.get("function")
         if tool.get("type", "function") != "function" or not isinstance(spec, dict):
