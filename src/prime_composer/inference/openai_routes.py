@@ -412,7 +412,7 @@ class _ChatFormat:
             "delta": delta,
             "logprobs": self._logprobs(u) if u is not None else None,
             "finish_reason": finish_reason,
-            "stop_reason": u.stop_reason if u is not None else None,
+            "stop_reason": u.stop_reason if u is not None and finish_reason is not None else None,
         }
         if self.body.return_token_ids:
             choice["token_ids"] = u.token_ids if u is not None else []
