@@ -87,11 +87,18 @@ def _check_replay(config: RLConfig, origins: dict[str, str]) -> None:
 
 
 def _copy_diloco(config: RLConfig, origins: dict[str, str]) -> None:
-    """``[diloco]`` is set at the top level (each data center's file swaps it) and runs in the
-    trainer; the shardcast backend needs one trainer rank per data center for now."""
-    if any(key.startswith("trainer.diloco") for key in origins):
-        key = next(k for k in origins if k.startswith("trainer.diloco"))
-        raise ConfigError(f"{origins[key]}: set [diloco] at the top level, not trainer.diloco (rl copies it)")
+    """``[diloco]`` runs in the trainer: set at the top level (each data center's file swaps it) or
+    in the trainer's section (``--trainer @ t.toml``), and then it must be the same in both. The
+    shardcast backend needs one trainer rank per data center for now."""
+    top_set = any(key == "diloco" or key.startswith("diloco.") for key in origins)
+    section_keys = [key for key in origins if key == "trainer.diloco" or key.startswith("trainer.diloco.")]
+    if section_keys and top_set and config.trainer.diloco != config.diloco:
+        raise ConfigError(
+            f"{origins[section_keys[0]]}: trainer.diloco differs from [diloco] "
+            f"({origin_of('diloco', origins)}); set it once, at the top level"
+        )
+    if section_keys and not top_set:
+        config.diloco = config.trainer.diloco
     config.trainer.diloco = config.diloco
     if config.diloco.enabled and config.diloco.backend == "shardcast" and config.trainer.num_ranks > 1:
         raise ConfigError(
