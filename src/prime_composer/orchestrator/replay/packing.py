@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from prime_composer.orchestrator.packing import Piece, Placement
+from prime_composer.orchestrator.packing import Piece, Placement, next_fit
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.teacher.pairs import Pair
 from prime_composer.transport.batch import BatchGroup
@@ -56,21 +56,15 @@ class DPOPacker:
         if not fitting:
             return None
         self._packed += len(fitting)
-        sequences = []  # (token ids, number of side tokens at the end, pair index, chosen?, side ref logprobs)
+        # (token ids, number of side tokens at the end, pair index, chosen?, side ref logprobs)
+        sequences: list[tuple[list[int], int, int, bool, list[float]]] = []
         for index, pair in enumerate(fitting):
             for side, refs, chosen in (
                 (pair.chosen_ids, pair.ref_chosen_logprobs, True),
                 (pair.rejected_ids, pair.ref_rejected_logprobs, False),
             ):
                 sequences.append((list(pair.context_ids) + list(side), len(side), index, chosen, refs))
-        rows: list[list[tuple[list[int], int, int, bool, list[float]]]] = []
-        used = seq_len
-        for sequence in sequences:
-            if used + len(sequence[0]) > seq_len:
-                rows.append([])
-                used = 0
-            rows[-1].append(sequence)
-            used += len(sequence[0])
+        rows = next_fit(sequences, lambda sequence: len(sequence[0]), seq_len)
         shape = (len(rows), seq_len)
         input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
         position_ids = torch.zeros(shape, dtype=torch.long)
