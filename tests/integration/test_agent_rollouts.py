@@ -22,11 +22,14 @@ from transformers import AutoTokenizer
 
 from prime_composer.config.env import EnvConfig, RolloutConfig, SamplingConfig
 from prime_composer.config.sdpo import HintConfig
+from prime_composer.config.teacher import TraceSourceConfig
 from prime_composer.model.resolve import resolve_model_name
 from prime_composer.orchestrator import envs
 from prime_composer.orchestrator.rollout import RolloutRunner
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.hints import HintBuilder
+from prime_composer.orchestrator.trace_export import episode_trace
+from prime_composer.teacher.traces import parse_trace
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "orchestrator" / "environments" / "pyfix"))
@@ -114,7 +117,7 @@ def test_the_oracle_solves_every_function(server, pyfix) -> None:
 
 
 def test_noop_and_broken_agents_get_zero_and_the_run_goes_on(server, pyfix) -> None:
-    (noop,), (broken,) = play(pyfix, server[1], "noop", [0]), play(pyfix, server[1], "broken", [1])
+    ((noop,),), ((broken,),) = play(pyfix, server[1], "noop", [0]), play(pyfix, server[1], "broken", [1])
     assert noop.error is None and noop.reward == 0.0 and noop.info["stop"] == "final_answer"
     assert noop.metrics["edited"] == 0.0
     # The grader's test output is left as feedback (about the last turn).
@@ -234,3 +237,30 @@ def test_sibling_hints_use_the_successful_siblings_reply_at_the_same_step(server
         bad.info["hint"]
         == "Hint: A correct answer to this task was:\n" + oracle_replies(pyfix.tasks()[0].data)[2]
     )
+
+
+def test_an_episode_exports_to_the_replay_trace_store(server, pyfix) -> None:
+    ((sample,),) = play(pyfix, server[1], "oracle", [1])
+    trace = parse_trace(episode_trace([sample]), "test", TraceSourceConfig())
+    steps = [trace.turns[i] for i in trace.step_indices]
+    assert len(steps) == 5
+    assert [[c.name for c in s.tool_calls] for s in steps] == [
+        ["run_tests"],
+        ["read_file"],
+        ["edit_file"],
+        ["run_tests"],
+        [],
+    ]
+    assert steps[4].content == "Fixed: the tests pass." and steps[0].content == ""
+    for step, turn in zip(steps, sample.info["turns"], strict=True):
+        start, end = turn.span
+        assert step.token_ids == sample.completion_ids[start:end]
+        assert step.prompt_token_ids == sample.prompt_ids + sample.completion_ids[:start]
+        assert step.logprobs == pytest.approx(sample.completion_logprobs[start:end])
+    tools = [t for t in trace.turns if t.role == "tool"]
+    assert [t.exit_code for t in tools] == [1, None, None, 0] and not any(t.is_error for t in tools)
+    assert trace.record.reward == 1.0 and {t["name"] for t in trace.record.tools} == {
+        "run_tests",
+        "read_file",
+        "edit_file",
+    }

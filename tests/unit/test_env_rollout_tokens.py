@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from prime_composer.config.advantage import AdvantageConfig
 from prime_composer.config.env import SamplingConfig
+from prime_composer.orchestrator.advantages import compute_advantages
 from prime_composer.orchestrator.harness import TurnRecord, turn_record
 from prime_composer.orchestrator.rollout import (
     TokenError,
@@ -12,6 +16,7 @@ from prime_composer.orchestrator.rollout import (
     derive_seed,
     request_sampling,
 )
+from prime_composer.orchestrator.sample import Sample
 
 
 def _turn(prompt: list[int], completion: list[int], logprobs: list[float] | None) -> TurnRecord:
@@ -143,3 +148,18 @@ def test_extra_body_and_optional_fields_pass_through() -> None:
     fields = request_sampling(sampling, group_id=0, rollout_index=0).model_dump(exclude_none=True)
     assert fields["top_k"] == 5 and fields["stop"] == ["\n"] and fields["min_tokens"] == 1
     assert "min_p" not in fields and "seed" not in fields
+
+
+def test_the_samples_of_a_split_episode_count_once_in_the_group_baseline() -> None:
+    def sample(trace: str, reward: float) -> Sample:
+        return Sample(
+            [1], [2], [0.0], [1], reward, example_id=0, group_id=5, policy_step=0, info={"trace_id": trace}
+        )
+
+    group = [sample("a", 1.0), sample("a", 1.0), sample("b", 0.0), sample("c", 0.0)]
+    plain = compute_advantages(group, AdvantageConfig(std_scaling=False))
+    # Episodes a, b, c: mean 1/3, so a's two samples get 2/3 each (not 1/2, as four rollouts would).
+    assert [s.advantage for s in plain] == pytest.approx([2 / 3, 2 / 3, -1 / 3, -1 / 3])
+    scaled = compute_advantages(group, AdvantageConfig(std_scaling=True))
+    std = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # over the three episodes, n - 1
+    assert scaled[0].advantage == pytest.approx((2 / 3) / (std + 1e-4))

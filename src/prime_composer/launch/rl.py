@@ -141,8 +141,10 @@ def warmup_specs(config: RLConfig, config_paths: dict[str, Path]) -> tuple[list[
 
 
 def _use_model(config: RLConfig, path: Path) -> None:
-    """Point every process at ``path`` (the warm-up's result)."""
+    """Point every process at ``path`` (the warm-up's result: a plain Hugging Face folder, also
+    when the warm-up started from a GGUF file)."""
     set_shared(config, "model.name", str(path))
+    set_shared(config, "model.gguf_file", None)
 
 
 def launch(config: RLConfig, argv: Sequence[str]) -> int:

@@ -179,6 +179,8 @@ class AgentEpisode:
     tools: list[dict[str, Any]]
     """Tool definitions offered (OpenAI format), also the ones rendered when ``render_tools``."""
     rendered_tools: bool
+    tool_call_format: str
+    """The parser that read tool calls out of the replies (``AgentLoopConfig.tool_call_format``)."""
     turns: list[AgentTurn] = field(default_factory=list)
     stop: str | None = None
     """Why the loop ended: ``final_answer``, or a budget in ``BUDGET_STOPS``; ``None`` while running
@@ -307,7 +309,10 @@ def new_episode(
 ) -> AgentEpisode:
     """An empty episode record that ``run_episode`` fills in."""
     return AgentEpisode(
-        messages=[dict(m) for m in messages], tools=definitions, rendered_tools=config.render_tools
+        messages=[dict(m) for m in messages],
+        tools=definitions,
+        rendered_tools=config.render_tools,
+        tool_call_format=config.tool_call_format,
     )
 
 

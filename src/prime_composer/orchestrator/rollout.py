@@ -330,6 +330,7 @@ def _agent_samples(
         return [_error_sample(error, env_label, keys, prompt_ids=list(prompt), info=info)]
     info["tools"] = episode.tools
     info["render_tools"] = episode.rendered_tools
+    info["tool_call_format"] = episode.tool_call_format
     info["stop"] = episode.stop or trace.stop_condition or "timeout"
     metrics = {**_trace_metrics(trace), **_agent_metrics(episode)}
     truncated = (
