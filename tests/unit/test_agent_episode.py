@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from prime_composer.config.env import AgentLoopConfig
 from prime_composer.model.resolve import resolve_model_name
 from prime_composer.orchestrator.chat_render import ChatRenderer, splice_prompt
 from prime_composer.orchestrator.episode import AgentEpisode, Generation, localize_error, run_episode
-from prime_composer.orchestrator.rollout import assemble_segments
+from prime_composer.orchestrator.rollout import _error_targets, assemble_segments
 from prime_composer.sandbox.tools import ToolCallRecord, ToolResult
 from prime_composer.tool_calls import get_parser
 
@@ -284,3 +285,35 @@ def test_splice_prompt_keeps_the_student_tokens_of_the_shared_history(tok) -> No
     kept = max(k for k in range(len(student) + 1) if len(tok.decode(student[:k])) <= shared)
     assert spliced[:kept] == student[:kept]
     assert spliced[kept:] == renderer.encode(teacher_text[len(tok.decode(student[:kept])) :])
+
+
+def test_error_targets_follow_the_turns_into_the_samples_of_a_split_episode(tok) -> None:
+    template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' and loop.index < 4 and not loop.last %}"
+        "{{ '<|im_start|>assistant\\n[earlier]<|im_end|>\\n' }}{% else %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    replies = [call("run_tests"), call("edit_file", old_string="nope", new_string="x"), "Done."]
+    episode, _, _ = play(tok, replies, renderer=ChatRenderer(tok, {"chat_template": template}))
+    segments = assemble_segments(episode.turns)
+    assert [s.turns for s in segments] == [[0], [1, 2]]
+
+    def targets(**info: Any) -> list[dict[str, Any]]:
+        return _error_targets(types.SimpleNamespace(info=info), episode, segments)  # type: ignore[arg-type]
+
+    # The failed edit of episode turn 1 is turn 0 of the second sample; environment feedback
+    # without a turn is about the last turn (turn 1 there).
+    first, second = targets(feedback="tests still fail")
+    assert first == {}
+    assert second["error_turn"] == 0
+    assert second["feedback"] == [
+        {"text": "tests still fail", "turn": 1},
+        {"text": "Error: old_string was not found", "turn": 0, "kind": "tool_error"},
+    ]
+    # An explicit error turn wins over the harness's and lands in its own sample.
+    first, second = targets(error_turn=0, feedback={"text": "wrong start", "turn": 0}, error_kind="x")
+    assert first == {"error_turn": 0, "feedback": [{"text": "wrong start", "turn": 0}], "error_kind": "x"}
+    assert second == {"error_kind": "x"}
+    # Bad values reach the hint builder unchanged, which counts them.
+    assert targets(error_turn=9, feedback=42)[1] == {"error_turn": 9, "feedback": [42]}

@@ -146,3 +146,9 @@ def client_for(base_url: str, api_key_var: str, retry: RetryConfig) -> TokenClie
         api_key = os.environ.get(api_key_var) or None
         client = per_loop[key] = TokenClient(base_url, api_key=api_key, retry=retry)
     return client
+
+
+async def close_clients() -> None:
+    """Close the running loop's clients (their connection pools)."""
+    for client in _clients.pop(asyncio.get_running_loop(), {}).values():
+        await client.aclose()

@@ -43,6 +43,7 @@ from prime_composer.orchestrator.agent_harness import AGENT_KEY
 from prime_composer.orchestrator.agent_task import close_sandboxes
 from prime_composer.orchestrator.envs import LoadedEnv
 from prime_composer.orchestrator.episode import BUDGET_STOPS, AgentEpisode, TurnInfo, localize_error
+from prime_composer.orchestrator.generate import close_clients
 from prime_composer.orchestrator.harness import TURNS_KEY, TurnRecord
 from prime_composer.orchestrator.sample import Sample
 
@@ -104,6 +105,7 @@ class RolloutRunner:
         if self._stack is not None:
             await self._stack.aclose()
         self._stack = self._semaphore = None
+        await close_clients()
         await asyncio.to_thread(close_sandboxes)
 
     async def run_group(
@@ -357,8 +359,12 @@ def _error_targets(trace: vf.Trace, episode: AgentEpisode, segments: list[Segmen
     num_turns = len(episode.turns)
     where = {k: (number, j) for number, seg in enumerate(segments) for j, k in enumerate(seg.turns)}
 
+    def valid(turn: Any) -> bool:
+        return isinstance(turn, int) and not isinstance(turn, bool) and -num_turns <= turn < num_turns
+
     def local(turn: Any, number: int) -> int | None:
-        if not isinstance(turn, int) or isinstance(turn, bool) or not -num_turns <= turn < num_turns:
+        """``turn`` (episode numbering) as a turn of segment ``number``, None if it is not in it."""
+        if not valid(turn):
             return None
         found = where[turn % num_turns]
         return found[1] if found[0] == number else None
@@ -375,8 +381,10 @@ def _error_targets(trace: vf.Trace, episode: AgentEpisode, segments: list[Segmen
         target: dict[str, Any] = {}
         if "error_kind" in trace.info:
             target["error_kind"] = trace.info["error_kind"]
-        turn = local(error_turn, number) if error_turn is not None else None
-        if turn is not None:
+        if error_turn is not None and not valid(error_turn):
+            if number == len(segments) - 1:
+                target["error_turn"] = error_turn  # invalid: the hint builder counts it as a bad error turn
+        elif error_turn is not None and (turn := local(error_turn, number)) is not None:
             target["error_turn"] = turn
         feedback = []
         for entry in entries:
