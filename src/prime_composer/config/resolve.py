@@ -6,12 +6,15 @@ from collections.abc import Sequence
 
 from prime_composer.config.cli import CliOptions, build_config, origin_of
 from prime_composer.config.errors import ConfigError
+from prime_composer.config.prime_rl import PrimeRLNames
 from prime_composer.config.processes import SECTION_NAMES, checkpoint_parts
 from prime_composer.config.rl import RLConfig
 from prime_composer.config.shared import unify_shared_keys
 
 ENV_PREFIX = "PRIME_COMPOSER_"
 RL_ALIASES = {"--resume": "ckpt.resume=true"}
+PRIME_RL_NAMES = PrimeRLNames(RLConfig)
+"""PRIME-RL's spelling of the same settings, accepted by ``rl`` (``config/prime_rl.py``)."""
 
 
 def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
@@ -117,5 +120,10 @@ def _client_host(bind_host: str) -> str:
 def resolve_rl_config(argv: Sequence[str]) -> tuple[RLConfig, CliOptions]:
     """The resolved config for ``argv`` (raises ConfigError on user mistakes)."""
     return build_config(
-        argv, RLConfig, env_prefix=ENV_PREFIX, aliases=RL_ALIASES, finalize=finalize_rl_config
+        argv,
+        RLConfig,
+        env_prefix=ENV_PREFIX,
+        aliases=RL_ALIASES,
+        finalize=finalize_rl_config,
+        translate=PRIME_RL_NAMES,
     )

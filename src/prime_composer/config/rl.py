@@ -12,6 +12,7 @@ from prime_composer.config.common import CommonConfig
 from prime_composer.config.diloco import DilocoConfig
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.config.orchestrator import OrchestratorConfig
+from prime_composer.config.tracking import WandbConfig
 from prime_composer.config.trainer import TrainerConfig
 
 
@@ -102,3 +103,7 @@ class RLConfig(BaseSettings, CommonConfig):
 
     launch: LaunchConfig = LaunchConfig()
     """The launcher itself."""
+
+    wandb: WandbConfig | None = None
+    """Optional experiment tracking: one W&B run per launch, fed from ``metrics/*.jsonl``
+    (``[wandb]``; an empty table turns it on with the defaults)."""

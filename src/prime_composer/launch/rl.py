@@ -22,7 +22,13 @@ from typing import Any
 from prime_composer.checkpoint_layout import find_resume_point
 from prime_composer.config.errors import RUN_ERROR_EXIT_CODE, ConfigError
 from prime_composer.config.processes import enabled_processes
-from prime_composer.config.resolve import ENV_PREFIX, RL_ALIASES, finalize_rl_config, set_shared
+from prime_composer.config.resolve import (
+    ENV_PREFIX,
+    PRIME_RL_NAMES,
+    RL_ALIASES,
+    finalize_rl_config,
+    set_shared,
+)
 from prime_composer.config.rl import RLConfig
 from prime_composer.io import atomic_write_text
 from prime_composer.launch.launcher import Launcher, LaunchResult
@@ -198,10 +204,21 @@ def launch(config: RLConfig, argv: Sequence[str]) -> int:
     return 0
 
 
+SUBCOMMANDS = {
+    "migrate": "prime_composer.config.migrate",  # rl migrate prime-rl.toml: print it in our names
+    "export": "prime_composer.trainer.export",  # rl export @ config.toml --checkpoint <dir>
+}
+"""``rl <name> ...``: the module whose ``main(argv)`` runs it."""
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    import importlib
+
     from prime_composer.config.cli import run_entry_point
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        sys.exit(importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:]))
     sys.exit(
         run_entry_point(
             RLConfig,
@@ -212,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             aliases=RL_ALIASES,
             finalize=finalize_rl_config,
             describe="Run inference, orchestrator and trainer together (see docs/architecture.md).",
+            translate=PRIME_RL_NAMES,
         )
     )
 
