@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +170,24 @@ def launch(config: RLConfig, argv: Sequence[str]) -> int:
         prepare_fresh(output_dir, config.launch.overwrite, extra=("sft",))
     print(f"rl: output in {output_dir} (logs/, metrics/, configs/)", flush=True)
     paths = write_resolved_configs(config)
+    from prime_composer.tracking import start_tracker
+
+    tracker = start_tracker(config)  # [wandb]: one W&B run fed from metrics/*.jsonl; None without it
+    exit_code = 1
+    try:
+        exit_code = _run_stages(config, argv, paths, tracker.tick if tracker else None)
+    finally:
+        if tracker is not None:
+            tracker.finish(exit_code)
+    return exit_code
+
+
+def _run_stages(
+    config: RLConfig, argv: Sequence[str], paths: dict[str, Path], track: Callable[..., None] | None
+) -> int:
+    """The warm-up (if any), then RL; ``track`` is called with the progress display."""
+    output_dir = config.output_dir
+    resuming = config.ckpt.resume or config.ckpt.resume_step is not None
     launch_kwargs: dict[str, Any] = {
         "health_timeout_s": config.launch.health_timeout_s,
         "stop_timeout_s": config.launch.stop_timeout_s,
@@ -180,7 +198,7 @@ def launch(config: RLConfig, argv: Sequence[str]) -> int:
         specs, final = warmup_specs(config, paths)
         if not (resuming and (final / "config.json").exists()):
             print(f"rl: SFT warm-up ({config.warmup.max_steps} steps), log in logs/sft.log", flush=True)
-            result = Launcher(specs, output_dir / "logs", **launch_kwargs).run()
+            result = Launcher(specs, output_dir / "logs", on_tick=track, **launch_kwargs).run()
             if result.exit_code != 0:
                 print(f"rl: warm-up failed ({result.reason})", flush=True)
                 return result.exit_code
@@ -188,9 +206,13 @@ def launch(config: RLConfig, argv: Sequence[str]) -> int:
         paths = write_resolved_configs(config)
 
     progress = Progress(output_dir / "metrics", config.max_steps, live=config.launch.progress)
-    launcher = Launcher(
-        build_specs(config, paths), output_dir / "logs", on_tick=progress.tick, **launch_kwargs
-    )
+
+    def tick(statuses: dict[str, str]) -> None:
+        progress.tick(statuses)
+        if track is not None:
+            track(statuses)
+
+    launcher = Launcher(build_specs(config, paths), output_dir / "logs", on_tick=tick, **launch_kwargs)
     try:
         result = launcher.run()
     finally:
