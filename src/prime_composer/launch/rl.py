@@ -167,7 +167,7 @@ def launch(config: RLConfig, argv: Sequence[str]) -> int:
         # Every process resumes from exactly this step (the one that verified).
         set_shared(config, "ckpt.resume_step", point.step)
     else:
-        prepare_fresh(output_dir, config.launch.overwrite, extra=("sft",))
+        prepare_fresh(output_dir, config.launch.overwrite, extra=("sft", "final", "eval"))
     print(f"rl: output in {output_dir} (logs/, metrics/, configs/)", flush=True)
     paths = write_resolved_configs(config)
     from prime_composer.tracking import start_tracker
@@ -221,6 +221,10 @@ def _run_stages(
         print(f"rl: run stopped ({result.reason}).{_resume_hint(config, argv, result)}", flush=True)
         return result.exit_code
     report = write_report_png(output_dir)
+    if (output_dir / "final").is_dir():  # the trainer wrote it before the last eval was logged
+        from prime_composer.trainer.model_card import write_model_card
+
+        write_model_card(output_dir / "final", output_dir)
     print(summary(output_dir), flush=True)
     print(f"rl: done: {config.max_steps} steps; report: {report}", flush=True)
     return 0
