@@ -285,6 +285,52 @@ def test_prompt_longer_than_the_context_is_400_without_generating(client):
     _refused(client.post("/v1/completions", json=ids), 400, "maximum context length is 128")
 
 
+# --- tools and tool calls ----------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def _earlier_call(arguments: object) -> list[dict[str, Any]]:
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    return [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}]
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"tools": []}, "tools must not be an empty array"),
+        ({"tools": "get_weather"}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": 5}}]}, "tools[0].function.name"),
+        ({"tools": [WEATHER, {"type": "code_interpreter"}]}, "tools[1] must be"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "rm"}}}, "'rm'"),
+        ({"tools": [WEATHER], "tool_choice": {"function": "get_weather"}}, "only function tools"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "is not a tool choice"),
+        ({"tool_choice": "required"}, "tool_choice needs tools"),
+        (
+            {"messages": _earlier_call("{not json"), "tools": [WEATHER]},
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        (
+            {"messages": _earlier_call(DEEP), "tools": [WEATHER]},
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        ({"messages": _earlier_call(7), "tools": [WEATHER]}, "messages[1].tool_calls[0].function.arguments"),
+    ],
+)
+def test_malformed_tools_and_calls_are_400_naming_the_field(client, extra, needle):
+    body = {"messages": MESSAGES, "max_tokens": 2, **extra}
+    _refused(client.post("/v1/chat/completions", json=body), 400, needle)
+    _still_serving(client)
+
+
+def test_ten_thousand_tools_are_refused_by_length_not_by_a_crash(client):
+    tools = [{"type": "function", "function": {"name": f"tool_{i}"}} for i in range(10_000)]
+    body = {"messages": MESSAGES, "tools": tools, "tool_choice": "required", "max_tokens": 2}
+    _refused(client.post("/v1/chat/completions", json=body), 400, "maximum context length is 128")
+    _still_serving(client)
+
+
 # --- stalling input ----------------------------------------------------------------------------
 
 

@@ -91,6 +91,8 @@ def test_command_line(tmp_path: Path) -> None:
         "--max-model-len": "4096",
         "--gpu-memory-utilization": "0.8",
         "--enforce-eager": True,
+        "--enable-auto-tool-choice": True,
+        "--tool-call-parser": "hermes",
         "--max-num-seqs": "64",
     }
 
@@ -121,6 +123,8 @@ def test_classes_named_on_the_command_line_exist() -> None:
         ("--middleware", "set by the backend"),
         ("--logprobs-mode=raw_logprobs", "set by the backend"),
         ("-tp", "tensor_parallel_size"),
+        ("--tool-call-parser=llama3_json", "inference.tool_call_parser"),
+        ("--enable-auto-tool-choice", "inference.tool_call_parser"),
     ],
 )
 def test_extra_args_may_not_override_the_backend(arg: str, names: str) -> None:
@@ -145,6 +149,13 @@ def test_client_chat_templates_need_the_config_flag(tmp_path: Path) -> None:
     assert "--trust-request-chat-template" in allowed
     with pytest.raises(ValueError, match="allow_client_chat_template"):
         check_extra_args(["--trust-request-chat-template"])
+
+
+def test_tool_call_parser_names_vllms_parser_of_the_same_format(tmp_path: Path) -> None:
+    options = _options(build_vllm_command(_config(tmp_path, tool_call_parser="hermes"), "/m"))
+    assert options["--tool-call-parser"] == "hermes" and options["--enable-auto-tool-choice"] is True
+    off = build_vllm_command(_config(tmp_path, tool_call_parser="none"), "/m")
+    assert "--tool-call-parser" not in off and "--enable-auto-tool-choice" not in off
 
 
 def test_environment_carries_admin_settings_but_not_the_secret(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ No torch import (config rule).
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from pathlib import Path
 from typing import Literal, Self
@@ -24,6 +23,7 @@ from typing import Literal, Self
 from pydantic import Field, model_validator
 
 from prime_composer.config.base import BaseConfig
+from prime_composer.netaddr import is_loopback
 
 Quantization = Literal["none", "int8", "int4"]
 
@@ -212,7 +212,7 @@ class DilocoConfig(BaseConfig):
                 "signed; set diloco.secret_env to the name of an environment variable holding a shared "
                 "secret (the same value in every DC)"
             )
-        if not _is_loopback(self.host) and self.secret_env is None:
+        if not is_loopback(self.host) and self.secret_env is None:
             raise ValueError(
                 f"diloco.host = {self.host!r} is reachable from other machines: set diloco.secret_env "
                 "to the name of an environment variable holding the run's shared secret"
@@ -228,12 +228,3 @@ class DilocoConfig(BaseConfig):
             if self.error_feedback:
                 raise ValueError('diloco.error_feedback needs quantization, which backend = "torchft" lacks')
         return self
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, ModelConfig
+from prime_composer.tool_calls import DEFAULT_PARSER, PARSERS
 
 
 class VLLMConfig(BaseConfig):
@@ -81,6 +82,15 @@ class InferenceConfig(BaseConfig):
     """``hf`` backend: threads that render chat templates and tokenize prompts, off the event loop
     (the Rust tokenizer releases the GIL, so they run in parallel with serving)."""
 
+    tool_call_parser: str | None = DEFAULT_PARSER
+    """How the model writes tool calls: a format of ``prime_composer.tool_calls`` (``hermes``:
+    ``<tool_call>{json}</tool_call>``, Hermes / Qwen 2.5 / Qwen 3). Chat requests with ``tools`` get
+    the calls back in ``message.tool_calls`` (``delta.tool_calls`` when streamed) with
+    ``finish_reason = "tool_calls"``; ``tool_choice`` may be ``auto``, ``none``, ``required`` or a
+    named function. ``hf``: the server parses the reply with this parser; ``vllm``: vLLM starts with
+    ``--enable-auto-tool-choice --tool-call-parser`` and its parser of the same format. ``"none"``:
+    no parsing; requests with tools may only use ``tool_choice = "none"`` (the reply is text)."""
+
     model: ModelConfig = ModelConfig()
     """Shared with the other processes (set it at the top level)."""
 
@@ -115,3 +125,12 @@ class InferenceConfig(BaseConfig):
 
     vllm: VLLMConfig = VLLMConfig()
     """``vllm`` backend settings (interpreter, parallelism, memory, extra server arguments)."""
+
+    @field_validator("tool_call_parser", mode="before")
+    @classmethod
+    def _known_parser(cls, value: object) -> object:
+        if value == "none":  # TOML has no null
+            return None
+        if isinstance(value, str) and value not in PARSERS:
+            raise ValueError(f"unknown tool-call format {value!r}; choose one of {sorted(PARSERS)} or 'none'")
+        return value

@@ -14,6 +14,7 @@ from typing import Literal, Self
 from pydantic import Field, model_validator
 
 from prime_composer.config.base import BaseConfig
+from prime_composer.config.dpo import DPOLossConfig
 
 
 class RLLossConfig(BaseConfig):
@@ -125,3 +126,7 @@ class LossConfig(BaseConfig):
 
     sdpo: SDPOLossConfig = SDPOLossConfig()
     """The SDPO hint-distillation term (off while ``weight = 0``)."""
+
+    replay: DPOLossConfig = DPOLossConfig()
+    """The replay term: DPO on the teacher service's pairs (off while ``weight = 0``; needs
+    ``orchestrator.replay.enabled``)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Self
 
 from pydantic import Field, model_validator
@@ -27,6 +28,29 @@ class EvalConfig(BaseConfig):
 
     temperature: float = Field(default=0.0, ge=0.0)
     """Sampling temperature for evaluation; 0 is greedy."""
+
+
+class ReplaySourceConfig(BaseConfig):
+    """The replay channel's side of the orchestrator: DPO pairs from the teacher service's store,
+    mixed into every batch (the loss side is ``trainer.loss.replay``; both must be on together)."""
+
+    enabled: bool = False
+    """Mix pairs into batches."""
+
+    store: Path | None = None
+    """The teacher service's SQLite store; None: ``<output_dir>/teacher/teacher.sqlite``."""
+
+    pairs_per_step: int = Field(default=8, ge=1)
+    """Pairs taken per step, oldest first (fewer when fewer are ready; none is reused)."""
+
+    send_traces: bool = True
+    """Post each step's rollouts to the teacher service as traces to replay (when ``rl`` runs one)."""
+
+    teacher_url: str | None = None
+    """The teacher service's address (``rl`` sets it from ``[teacher]``); None sends no traces."""
+
+    teacher_secret_env: str | None = None
+    """Name of the variable with the teacher service's secret (``rl`` copies ``teacher.secret_env``)."""
 
 
 class FailureConfig(BaseConfig):
@@ -97,6 +121,9 @@ class OrchestratorConfig(CommonConfig):
     """Rollouts launched and not yet finished, across steps (queued ones included); groups for the
     next steps start while the current step's slowest finish. None: ``batch_size x
     (max_async_level + 1)``. Must hold at least one group (``group_size``)."""
+
+    replay: ReplaySourceConfig = ReplaySourceConfig()
+    """The replay channel: pairs from the teacher service mixed into every batch."""
 
     failure: FailureConfig = FailureConfig()
     """When a run that trains on nothing stops with an error instead of reporting success."""

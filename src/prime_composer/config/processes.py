@@ -42,6 +42,13 @@ class Process:
 
 PROCESSES: tuple[Process, ...] = (
     Process(name="inference", module="prime_composer.inference.main", kind="service", health_path="/health"),
+    Process(
+        name="teacher",
+        module="prime_composer.teacher.main",
+        kind="service",
+        health_path="/health",
+        enabled=lambda rl: rl.teacher is not None,
+    ),
     Process(name="orchestrator", module="prime_composer.orchestrator.main", kind="job"),
     Process(
         name="trainer",

@@ -38,6 +38,7 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
             f"or the trainer could miss a step the orchestrator already deleted"
         )
     _check_sdpo(config, origins)
+    _check_replay(config, origins)
     _copy_diloco(config, origins)
     inference = config.inference
     expected = f"http://{_client_host(inference.host)}:{inference.port}/v1"
@@ -65,12 +66,42 @@ def set_shared(config: RLConfig, dotted: str, value: object) -> None:
             setattr(node, leaf, value)
 
 
+def _check_replay(config: RLConfig, origins: dict[str, str]) -> None:
+    """The replay channel, like SDPO, needs both halves; the orchestrator learns where the teacher
+    service listens (it posts its rollouts there as traces)."""
+    enabled = config.orchestrator.replay.enabled
+    weight = config.trainer.loss.replay.weight
+    if enabled and weight == 0:
+        raise ConfigError(
+            f"{origin_of('orchestrator.replay.enabled', origins)}: orchestrator.replay.enabled = true but "
+            "trainer.loss.replay.weight = 0, so the pairs would never be trained on: set "
+            "trainer.loss.replay.weight > 0 (e.g. 0.05) or orchestrator.replay.enabled = false"
+        )
+    if weight > 0 and not enabled:
+        raise ConfigError(
+            f"{origin_of('trainer.loss.replay.weight', origins)}: trainer.loss.replay.weight = {weight} but "
+            "orchestrator.replay.enabled = false, so no batch would ever carry a pair: set "
+            "orchestrator.replay.enabled = true or trainer.loss.replay.weight = 0"
+        )
+    teacher = config.teacher
+    if teacher is not None:
+        config.orchestrator.replay.teacher_url = f"http://{_client_host(teacher.host)}:{teacher.port}"
+        config.orchestrator.replay.teacher_secret_env = teacher.secret_env
+
+
 def _copy_diloco(config: RLConfig, origins: dict[str, str]) -> None:
-    """``[diloco]`` is set at the top level (each data center's file swaps it) and runs in the
-    trainer; the shardcast backend needs one trainer rank per data center for now."""
-    if any(key.startswith("trainer.diloco") for key in origins):
-        key = next(k for k in origins if k.startswith("trainer.diloco"))
-        raise ConfigError(f"{origins[key]}: set [diloco] at the top level, not trainer.diloco (rl copies it)")
+    """``[diloco]`` runs in the trainer: set at the top level (each data center's file swaps it) or
+    in the trainer's section (``--trainer @ t.toml``), and then it must be the same in both. The
+    shardcast backend needs one trainer rank per data center for now."""
+    top_set = any(key == "diloco" or key.startswith("diloco.") for key in origins)
+    section_keys = [key for key in origins if key == "trainer.diloco" or key.startswith("trainer.diloco.")]
+    if section_keys and top_set and config.trainer.diloco != config.diloco:
+        raise ConfigError(
+            f"{origins[section_keys[0]]}: trainer.diloco differs from [diloco] "
+            f"({origin_of('diloco', origins)}); set it once, at the top level"
+        )
+    if section_keys and not top_set:
+        config.diloco = config.trainer.diloco
     config.trainer.diloco = config.diloco
     if config.diloco.enabled and config.diloco.backend == "shardcast" and config.trainer.num_ranks > 1:
         raise ConfigError(

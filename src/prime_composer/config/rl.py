@@ -12,6 +12,7 @@ from prime_composer.config.common import CommonConfig
 from prime_composer.config.diloco import DilocoConfig
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.config.orchestrator import OrchestratorConfig
+from prime_composer.config.teacher import TeacherServiceConfig
 from prime_composer.config.tracking import WandbConfig
 from prime_composer.config.trainer import TrainerConfig
 
@@ -94,6 +95,11 @@ class RLConfig(BaseSettings, CommonConfig):
 
     inference: InferenceConfig = InferenceConfig()
     """The inference server process."""
+
+    teacher: TeacherServiceConfig | None = None
+    """The trace-replay teacher service, started by ``rl`` when this section is present (its pool
+    of teacher endpoints has no default): it replays rollouts and traces and writes DPO pairs that
+    ``orchestrator.replay`` mixes into batches."""
 
     diloco: DilocoConfig = DilocoConfig()
     """The optional Streaming DiLoCo outer loop: this run is one data center of several (``[diloco]``)."""

@@ -15,39 +15,33 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import os
 
-_LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` keeps the server reachable from this machine only."""
-    if host.lower() in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name other than localhost: may resolve to anything
-        return False
+from prime_composer.netaddr import is_loopback
 
 
 def resolve_admin_secret(host: str, secret_env: str | None) -> str | None:
-    """The secret requests must carry, or ``None`` when none is configured (loopback only).
+    """``serving_secret`` of the inference server (``inference.host``, ``inference.secret_env``)."""
+    return serving_secret(host, secret_env, "inference")
 
-    Raises ``ValueError`` naming ``inference.secret_env`` when the server would be reachable from
-    other machines without one.
+
+def serving_secret(host: str, secret_env: str | None, section: str) -> str | None:
+    """The secret a server's requests must carry, or ``None`` when none is configured (loopback only).
+
+    Raises ``ValueError`` naming ``<section>.secret_env`` when the variable is unset, or when the
+    server would be reachable from other machines without a secret.
     """
     secret = os.environ.get(secret_env) if secret_env else None
     if secret_env and not secret:
         raise ValueError(
-            f"inference.secret_env = {secret_env!r}, but that environment variable is unset or empty; "
-            f"export {secret_env}=<a long random string> (the same value the trainer/orchestrator use)"
+            f"{section}.secret_env = {secret_env!r}, but that environment variable is unset or empty; "
+            f"export {secret_env}=<a long random string> (the same value its clients use)"
         )
     if not is_loopback(host) and not secret:
         raise ValueError(
-            f"inference.host = {host!r} is reachable beyond this machine, so the server needs a "
-            "shared secret: set inference.secret_env to the name of an environment variable holding it "
-            "(e.g. --inference.secret_env INFERENCE_SECRET), or bind inference.host = '127.0.0.1'"
+            f"{section}.host = {host!r} is reachable beyond this machine, so the server needs a "
+            f"shared secret: set {section}.secret_env to the name of an environment variable holding it, "
+            f"or bind {section}.host = '127.0.0.1'"
         )
     return secret or None
 

@@ -12,8 +12,13 @@ Rules (each refusal is an ``APIError`` naming the field):
   ``chat_template_kwargs``) is refused unless ``allow_client_template``: a template is a program
   the server runs. ``chat_template_kwargs`` holds template variables (``enable_thinking``, ...);
   ``apply_chat_template``'s own options (``tokenize``, ``return_dict``, ...) are refused;
-- messages are objects with a string ``role`` and a string, null or list-of-text-parts
-  ``content`` (checked here, on a worker thread, not by the request schema);
+- messages are objects with a string ``role`` and a string, null (rendered as ``""``, as vLLM
+  does) or list-of-text-parts ``content``; ``tools`` and the ``tool_calls`` of assistant messages
+  are checked and put in the form chat templates expect (``tools.template_tools``,
+  ``tools.template_message``); all on a worker thread, not by the request schema;
+- a request with ``tools`` for a template that never reads them is refused (they would be dropped);
+- a reply prefix (``tool_choice`` required or named: ``tools.ToolPlan.reply_prefix``) is appended
+  to the rendered text before tokenizing, so the prompt ids end with it;
 - text must be valid Unicode (a lone surrogate such as ``\\ud800`` is a 400, not a tokenizer crash);
 - a prompt longer than the context is refused as soon as its length is known, before its ids
   become a Python list (that conversion holds the GIL, ~70 ms per million tokens);
@@ -33,6 +38,7 @@ from typing import Any, TypeVar
 
 from prime_composer.inference.guard import APIError
 from prime_composer.inference.protocol import ChatCompletionRequest, CompletionRequest
+from prime_composer.inference.tools import template_message, template_reads_tools, template_tools
 
 T = TypeVar("T")
 
@@ -71,12 +77,15 @@ class Preprocessor:
         """Drop queued jobs; running ones finish on their own (threads cannot be interrupted)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def chat(self, body: ChatCompletionRequest) -> list[int]:
-        """Prompt ids of a chat request: its messages through the (server's) chat template."""
+    async def chat(
+        self, body: ChatCompletionRequest, reply_prefix: str = "", function: str | None = None
+    ) -> list[int]:
+        """Prompt ids of a chat request: its messages and tools through the (server's) chat
+        template, then ``reply_prefix``; ``function`` (named by ``tool_choice``) must be a tool."""
         template, kwargs = self._template_options(body)
         if not body.messages:
             raise APIError(400, "messages is empty")
-        return await self._run(self._render_and_encode, body, template, kwargs)
+        return await self._run(self._render_and_encode, body, template, kwargs, reply_prefix, function)
 
     async def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         """Prompt ids of each prompt of a text-completion request (token prompts pass through)."""
@@ -150,12 +159,26 @@ class Preprocessor:
 
     # ----------------------------------------------------------------- worker-thread side
 
-    def _render_and_encode(self, body: ChatCompletionRequest, template: str | None, kwargs: Any) -> list[int]:
-        messages = [_text_message(m, i) for i, m in enumerate(body.messages)]
+    def _render_and_encode(
+        self,
+        body: ChatCompletionRequest,
+        template: str | None,
+        kwargs: Any,
+        reply_prefix: str,
+        function: str | None,
+    ) -> list[int]:
+        tools = template_tools(body.tools, function) if body.tools else None
+        if tools and not template_reads_tools(template or getattr(self.tokenizer, "chat_template", None)):
+            raise APIError(
+                400,
+                "tools: this model's chat template does not render tools (the model would never see "
+                "them); serve a model whose template does, or leave tools out",
+            )
+        messages = [template_message(_text_message(m, i), i) for i, m in enumerate(body.messages)]
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
-                tools=body.tools,
+                tools=tools,
                 chat_template=template,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
@@ -167,7 +190,7 @@ class Preprocessor:
         if not isinstance(text, str):
             raise APIError(400, f"the chat template rendered a {type(text).__name__}, not text")
         # The template already wrote any BOS/special tokens, so none are added on top (as vLLM does).
-        return self._encode(text, add_special_tokens=False, what="the rendered chat")
+        return self._encode(text + reply_prefix, add_special_tokens=False, what="the rendered chat")
 
     def _encode_all(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         what = "prompt" if len(texts) == 1 else "prompt[{}]"
@@ -242,7 +265,9 @@ def _text_message(message: Any, position: int) -> dict[str, Any]:
                 raise APIError(400, f"messages[{position}].content: a text part's text must be a string")
             texts.append(text)
         message = {**message, "content": "\n".join(texts)}
-    elif content is not None and not isinstance(content, str):
+    elif content is None:
+        message = {**message, "content": ""}
+    elif not isinstance(content, str):
         raise APIError(
             400,
             f"messages[{position}].content must be a string, a list of text parts or null, "

@@ -1,7 +1,8 @@
 """The ``hf`` backend's HTTP server: FastAPI app, admin endpoints, error format, ``serve``.
 
-Endpoints: the OpenAI-compatible ones (``openai_routes``), ``GET /health``, and the admin
-endpoints ``POST /update_weights {"path": ...}`` and ``POST /reload_weights``.
+Endpoints: the OpenAI-compatible ones (``openai_routes``), ``GET /health``, ``GET /metrics``
+(Prometheus text: tool-call counters), and the admin endpoints ``POST /update_weights {"path": ...}``
+and ``POST /reload_weights``.
 
 Every request first passes ``guard.RequestGuard``: with a secret configured (``auth``) every route
 but ``/health`` needs it, and bodies over ``inference.max_request_bytes`` are a 413.
@@ -31,7 +32,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prime_composer.config.inference import InferenceConfig
@@ -96,7 +97,9 @@ def build_app(config: InferenceConfig) -> FastAPI:
             timeout_s=config.preprocess_timeout_s,
             allow_client_template=config.allow_client_chat_template,
         ),
+        tool_call_parser=config.tool_call_parser,
     )
+    _check_tool_format(tokenizer, config.tool_call_parser)
     return create_app(state, broadcast_root(config), secret, config.max_request_bytes)
 
 
@@ -129,6 +132,10 @@ def create_app(
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": state.served_model_name, "weights": dict(current)}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(state.tool_stats.prometheus(), media_type="text/plain; version=0.0.4")
 
     @app.post("/update_weights")
     async def update_weights(request: Request) -> dict[str, Any]:
@@ -166,6 +173,28 @@ def create_app(
         return {"status": "ok", **current}
 
     return app
+
+
+def _check_tool_format(tokenizer: Any, parser_name: str | None) -> None:
+    """Say at start what tool calls will do with this model, rather than at the first request."""
+    from prime_composer.inference.tools import template_reads_tools
+    from prime_composer.tool_calls import get_parser
+
+    if parser_name is None:
+        return
+    if not template_reads_tools(getattr(tokenizer, "chat_template", None)):
+        logger.warning(
+            "this model's chat template does not render tools: chat requests with tools will be refused"
+        )
+    parser = get_parser(parser_name)
+    markers = {str(m) for m in (getattr(parser, "OPEN", None), getattr(parser, "CLOSE", None)) if m}
+    special = sorted(markers & set(getattr(tokenizer, "all_special_tokens", ())))
+    if special:
+        logger.warning(
+            "the tool-call markers %s are special tokens of this tokenizer: requests with tools must send "
+            "skip_special_tokens = false, or the markers are dropped from the text before parsing",
+            special,
+        )
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -9,7 +9,6 @@ one ``ConfigError`` (the launcher exits 2).
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import socket
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from prime_composer.config.errors import ConfigError
 from prime_composer.config.rl import RLConfig
+from prime_composer.netaddr import is_loopback
 from prime_composer.orchestrator.env_ids import DEFAULT_ENV_DIRS, environment_exists
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -36,15 +36,6 @@ def preflight(config: RLConfig) -> None:
         raise ConfigError("cannot start the run:\n  " + "\n  ".join(problems))
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _secret_problems(config: RLConfig) -> list[str]:
     problems = []
     named = {
@@ -54,10 +45,14 @@ def _secret_problems(config: RLConfig) -> list[str]:
         if "llm" in config.orchestrator.sdpo.sources and config.orchestrator.sdpo.enabled
         else None,
     }
+    if config.teacher is not None:
+        named["teacher.secret_env"] = config.teacher.secret_env
+        for i, endpoint in enumerate(config.teacher.pool):
+            named[f"teacher.pool[{i}].api_key_env"] = endpoint.api_key_env
     for key, variable in named.items():
         if variable is not None and not os.environ.get(variable):
             problems.append(f"{key} = {variable!r}, but that environment variable is not set (export it)")
-    if not _is_loopback(config.inference.host) and config.inference.secret_env is None:
+    if not is_loopback(config.inference.host) and config.inference.secret_env is None:
         problems.append(
             f"inference.host = {config.inference.host!r} is reachable from other machines: set "
             "inference.secret_env to the name of a variable holding a shared secret"
@@ -98,6 +93,8 @@ def _environment_problems(config: RLConfig) -> list[str]:
 
 def _port_problems(config: RLConfig) -> list[str]:
     wanted = [("inference.port", config.inference.host, config.inference.port)]
+    if config.teacher is not None:
+        wanted.append(("teacher.port", config.teacher.host, config.teacher.port))
     if config.transport.kind == "zmq":
         wanted.append(("transport.port", config.transport.host, config.transport.port))
     problems = []

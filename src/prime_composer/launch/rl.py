@@ -151,8 +151,10 @@ def warmup_specs(config: RLConfig, config_paths: dict[str, Path]) -> tuple[list[
 
 
 def _use_model(config: RLConfig, path: Path) -> None:
-    """Point every process at ``path`` (the warm-up's result)."""
+    """Point every process at ``path`` (the warm-up's result: a plain Hugging Face folder, also
+    when the warm-up started from a GGUF file)."""
     set_shared(config, "model.name", str(path))
+    set_shared(config, "model.gguf_file", None)
 
 
 def launch(config: RLConfig, argv: Sequence[str]) -> int:
@@ -198,10 +200,12 @@ def _run_stages(
         specs, final = warmup_specs(config, paths)
         if not (resuming and (final / "config.json").exists()):
             print(f"rl: SFT warm-up ({config.warmup.max_steps} steps), log in logs/sft.log", flush=True)
-            result = Launcher(specs, output_dir / "logs", on_tick=track, **launch_kwargs).run()
-            if result.exit_code != 0:
-                print(f"rl: warm-up failed ({result.reason})", flush=True)
-                return result.exit_code
+            # One job after the other: sft reads the data sft-data writes.
+            for spec in specs:
+                result = Launcher([spec], output_dir / "logs", on_tick=track, **launch_kwargs).run()
+                if result.exit_code != 0:
+                    print(f"rl: warm-up failed ({result.reason})", flush=True)
+                    return result.exit_code
         _use_model(config, final)
         paths = write_resolved_configs(config)
 

@@ -16,6 +16,8 @@ on the trace and relays the provider's JSON back unchanged). So this harness
 
 A multi-turn environment resumes the harness with the whole conversation; each call appends
 one record. Tools (MCP) are not supported: verifiers refuses the pairing before the rollout.
+Environments whose tasks use tools (``AgentTaskData``) run with the token-in agent harness
+instead (``agent_harness.py``).
 
 verifiers imports harnesses by a plain module name, so ``prime_composer.orchestrator.envs``
 registers this module as ``HARNESS_MODULE`` before any environment loads.

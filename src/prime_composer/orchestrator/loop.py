@@ -30,12 +30,14 @@ from statistics import fmean, pstdev
 from typing import Any, Protocol
 
 from prime_composer.checkpoint_layout import resume_step
+from prime_composer.client.http import read_api_key
 from prime_composer.config.env import SamplingConfig
 from prime_composer.config.orchestrator import OrchestratorConfig
 from prime_composer.metrics import MetricsLogger
 from prime_composer.orchestrator.envs import LoadedEnv
 from prime_composer.orchestrator.packing import GroupPacker, pack_step
 from prime_composer.orchestrator.policy import PolicySync
+from prime_composer.orchestrator.replay.traces import TraceSender
 from prime_composer.orchestrator.rollout import API_KEY_VAR, RolloutRunner
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.hints import HintBuilder
@@ -93,6 +95,7 @@ class Orchestrator:
         """The draw position (ahead of the consumed one while groups are in flight)."""
         self._drawn: dict[int, tuple[LoadedEnv, int]] = {}
         self.failure_watch = FailureWatch(config.failure)
+        self.traces: TraceSender | None = None
         self.train_tasks = [loaded.tasks("train") for loaded in envs]
         for loaded, tasks in zip(envs, self.train_tasks, strict=True):
             if not tasks:
@@ -117,6 +120,15 @@ class Orchestrator:
             timeout_s=config.weights_timeout_s,
         )
         sender = make_sender(config.transport, config.output_dir)
+        replay = config.replay
+        self.traces = (
+            TraceSender(
+                replay.teacher_url,
+                read_api_key(replay.teacher_secret_env, "orchestrator.replay.teacher_secret_env"),
+            )
+            if replay.send_traces and replay.teacher_url is not None
+            else None
+        )
         eval_sampling = config.sampling.model_copy(update={"temperature": config.eval.temperature})
         try:
             async with (
@@ -145,6 +157,8 @@ class Orchestrator:
         finally:
             sender.close()
             await policy.aclose()
+            if self.traces is not None:
+                await self.traces.aclose()
 
     async def _step(
         self,
@@ -166,6 +180,9 @@ class Orchestrator:
         rollouts = await stream.next_step()
         metrics["time/rollout_s"] = time.monotonic() - t0
         self.failure_watch.check(step, rollouts)
+        if self.traces is not None:  # the teacher service replays the run's own rollouts
+            self.traces.send(rollouts.generated)
+            metrics.update(self.traces.metrics())
         metrics["time/wait_weights_s"], stream.wait_weights_s = stream.wait_weights_s, 0.0
         if self.hints is not None:
             t0 = time.monotonic()

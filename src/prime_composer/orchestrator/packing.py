@@ -26,14 +26,16 @@ samples contributed), and reports its own metrics. Core packing knows nothing ab
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.transport.batch import BatchGroup, MicroBatch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -134,6 +136,20 @@ def _fit(sample_id: int, sample: Sample, seq_len: int) -> tuple[Piece | None, bo
         completion_len=keep,
     )
     return piece, truncated
+
+
+def next_fit(items: Sequence[T], length: Callable[[T], int], seq_len: int) -> list[list[T]]:
+    """``items`` in order, in rows of at most ``seq_len`` tokens: a new row whenever the next item
+    does not fit the current one (keeps the order, which group packers rely on for alignment)."""
+    rows: list[list[T]] = []
+    used = seq_len
+    for item in items:
+        if used + length(item) > seq_len:
+            rows.append([])
+            used = 0
+        rows[-1].append(item)
+        used += length(item)
+    return rows
 
 
 def _first_fit_decreasing(pieces: list[Piece], seq_len: int) -> list[list[Piece]]:

@@ -20,14 +20,13 @@ import asyncio
 import dataclasses
 import hmac
 import json
-import os
 from collections.abc import Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 
 from prime_composer.config.teacher import TeacherServiceConfig
-from prime_composer.inference.auth import is_loopback
+from prime_composer.inference.auth import serving_secret
 from prime_composer.teacher.pairs import PairStore
 from prime_composer.teacher.store import TeacherStore
 from prime_composer.teacher.traces import TraceError, parse_trace
@@ -38,18 +37,7 @@ MAX_PAIRS_PER_REQUEST = 1000
 def resolve_secret(host: str, secret_env: str | None) -> str | None:
     """The shared secret requests must carry (None: loopback without a secret); ``ValueError``
     naming ``teacher.secret_env`` when the service would be reachable without one."""
-    secret = os.environ.get(secret_env) if secret_env else None
-    if secret_env and not secret:
-        raise ValueError(
-            f"teacher.secret_env = {secret_env!r}, but that environment variable is unset or empty; "
-            f"export {secret_env}=<a long random string>"
-        )
-    if not is_loopback(host) and not secret:
-        raise ValueError(
-            f"teacher.host = {host!r} is reachable beyond this machine, so the service needs a shared secret: "
-            "set teacher.secret_env to the name of an environment variable holding it, or bind 127.0.0.1"
-        )
-    return secret or None
+    return serving_secret(host, secret_env, "teacher")
 
 
 def _auth(secret: str | None) -> Callable[[Request], None]:

@@ -97,21 +97,44 @@ def forward_micro_batch(
     logits_masks: dict[str, torch.Tensor] | None = None,
     entropy: bool = True,
 ) -> ForwardOutput:
-    """Forward ``model`` on ``mb``'s core rows at ``mb.temperature`` (see the module docstring).
+    """Forward ``model`` on ``mb``'s core rows at ``mb.temperature``, scoring its loss tokens.
 
     ``logits_masks`` maps a name to an ``[R, T]`` bool mask of the tokens whose whole predicting
     distribution that term needs. ``entropy = False`` skips the entropies (all 0). Gradients flow
     unless the caller runs it under ``torch.no_grad()``.
     """
-    temperature = mb.temperature
+    return forward_rows(
+        model,
+        mb.input_ids,
+        mb.position_ids,
+        mb.loss_mask,
+        mb.temperature,
+        logits_masks=logits_masks,
+        entropy=entropy,
+    )
+
+
+def forward_rows(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    scored: torch.Tensor,
+    temperature: float,
+    *,
+    logits_masks: dict[str, torch.Tensor] | None = None,
+    entropy: bool = True,
+) -> ForwardOutput:
+    """Forward ``model`` on packed rows ``[R, T]`` (see the module docstring) and return the
+    log-probabilities (and entropies) of the ``scored`` tokens at ``temperature``; any term's own
+    rows (e.g. the replay pairs) go through here too."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
     head = check_model(model)
     device = head.weight.device
-    input_ids = mb.input_ids.to(device)
-    position_ids = mb.position_ids.to(device)
+    input_ids = input_ids.to(device)
+    position_ids = position_ids.to(device)
     # Nothing in a row predicts a sample's first token.
-    scored = mb.loss_mask.to(device) & (position_ids != 0)
+    scored = scored.to(device) & (position_ids != 0)
     masks = {name: m.to(device) & (position_ids != 0) for name, m in (logits_masks or {}).items()}
     result: dict[str, Any] = {}
 

@@ -14,7 +14,12 @@ up) with:
   not the model's ``generation_config.json``, which would otherwise silently change how
   requests that leave a knob unset are sampled (Qwen3 ships top_k=20, top_p=0.95);
 - ``--trust-request-chat-template`` only with ``inference.allow_client_chat_template``: vLLM
-  refuses templates sent by clients otherwise, as the ``hf`` backend does.
+  refuses templates sent by clients otherwise, as the ``hf`` backend does;
+- ``--enable-auto-tool-choice --tool-call-parser <vLLM's name>`` for ``inference.tool_call_parser``
+  (``prime_composer.tool_calls`` names vLLM's parser of the same format): tool calls come back in
+  ``message.tool_calls``. With ``required`` or a named function vLLM constrains decoding to the
+  parser's call format (xgrammar structural tags), a stronger guarantee than the ``hf`` backend's
+  forced opening; with ``"none"`` neither flag is passed and vLLM refuses ``tool_choice = "auto"``.
 
 The child imports ``prime_composer`` (extension, middleware) from the same source tree as this
 process: when that tree is a plain directory (a checkout, not site-packages), it is put first on
@@ -51,6 +56,7 @@ from prime_composer.config.inference import InferenceConfig
 from prime_composer.inference.auth import resolve_admin_secret
 from prime_composer.inference.vllm.admin import SETTINGS_ENV, admin_settings
 from prime_composer.launch.process import die_with_parent
+from prime_composer.tool_calls import get_parser
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +85,8 @@ _RESERVED_OPTIONS = {
     "--logprobs-mode": "(set by the backend: the trainer needs processed logprobs)",
     "--generation-config": "(set by the backend: request defaults must not depend on the model)",
     "--trust-request-chat-template": "inference.allow_client_chat_template",
+    "--enable-auto-tool-choice": "inference.tool_call_parser",
+    "--tool-call-parser": "inference.tool_call_parser",
 }
 
 
@@ -164,6 +172,9 @@ def build_vllm_command(config: InferenceConfig, model_dir: str) -> list[str]:
         command.append("--enforce-eager")
     if config.allow_client_chat_template:
         command.append("--trust-request-chat-template")
+    if config.tool_call_parser is not None:
+        parser = get_parser(config.tool_call_parser)
+        command += ["--enable-auto-tool-choice", "--tool-call-parser", parser.vllm_name]
     return command + list(config.vllm.extra_args)
 
 

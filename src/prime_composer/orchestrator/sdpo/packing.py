@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from prime_composer.orchestrator.packing import Piece, Placement
+from prime_composer.orchestrator.packing import Piece, Placement, next_fit
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.transport.batch import BatchGroup
 from prime_composer.transport.groups import SDPOGroup
@@ -63,14 +63,7 @@ class SDPOPacker:
         for placement, target in hinted:
             student_mask[placement.row, placement.start + target.start : placement.start + target.end] = True
         # Next-fit in student order (placements are row by row, left to right).
-        packed: list[list[_Target]] = []
-        used = seq_len
-        for _, target in hinted:
-            if used + len(target.teacher_ids) > seq_len:
-                packed.append([])
-                used = 0
-            packed[-1].append(target)
-            used += len(target.teacher_ids)
+        packed = next_fit([target for _, target in hinted], lambda t: len(t.teacher_ids), seq_len)
         input_ids = torch.full((len(packed), seq_len), pad_token_id, dtype=torch.long)
         position_ids = torch.zeros((len(packed), seq_len), dtype=torch.long)
         target_mask = torch.zeros((len(packed), seq_len), dtype=torch.bool)
