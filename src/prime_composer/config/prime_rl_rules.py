@@ -151,7 +151,7 @@ RULES: tuple[Rule, ...] = (
     ignored(
         "deployment.num_infer_gpus",
         "the inference server is one replica",
-        "inference.vllm.tensor_parallel_size (and CUDA_VISIBLE_DEVICES in inference.vllm.env)",
+        "inference.vllm.tensor_parallel_size and launch.gpus.inference",
     ),
     ignored("deployment.*", "one node, processes started by rl", "trainer.num_ranks"),
     # ---- orchestrator

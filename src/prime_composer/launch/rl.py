@@ -68,9 +68,15 @@ def build_specs(config: RLConfig, config_paths: dict[str, Path]) -> list[Process
             section = getattr(config, process.name)
             host = "127.0.0.1" if section.host in ("0.0.0.0", "::", "") else section.host
             health_url = f"http://{host}:{section.port}{process.health_path}"
+        gpus = config.launch.gpus.get(process.name)
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
         specs.append(
             ProcessSpec(
-                name=process.name, argv=[sys.executable, *argv], kind=process.kind, health_url=health_url
+                name=process.name,
+                argv=[sys.executable, *argv],
+                kind=process.kind,
+                health_url=health_url,
+                env=env,
             )
         )
     return specs
