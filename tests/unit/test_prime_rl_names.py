@@ -275,6 +275,17 @@ def test_our_own_keys_are_never_translated(tmp_path: Path) -> None:
     assert config.orchestrator.sampling.max_tokens == 9 and notes == []
 
 
+def test_entries_of_our_free_form_tables_are_never_translated(tmp_path: Path) -> None:
+    """``inference.vllm.env``'s variables are not vLLM arguments, ``launch.gpus``' names not keys."""
+    text = '[inference.vllm]\nenv = { VLLM_CPU_KVCACHE_SPACE = "1" }\n[launch]\ngpus = { inference = [0] }\n'
+    config, notes = resolve("@", write(tmp_path, text))
+    assert (
+        config.inference.vllm.env == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+        and config.inference.vllm.extra_args == []
+    )
+    assert config.launch.gpus == {"inference": [0]} and notes == []
+
+
 # ---------------------------------------------------------------------------------------- migrate
 
 

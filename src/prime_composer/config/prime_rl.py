@@ -30,6 +30,8 @@ and ``[monitors.wandb]``; ``rollouts_per_example`` and ``group_size``.
 from __future__ import annotations
 
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -527,11 +529,27 @@ class _Translator:
 
 
 def _exists(model: type[BaseModel], dotted: str) -> bool:
-    try:
-        resolve_field(model, dotted, "")
-    except ConfigError:
-        return False
+    """Whether ``dotted`` is one of our keys: a field, or an entry of a field that is a free-form
+    table (``inference.vllm.env.VLLM_CPU_KVCACHE_SPACE``, ``launch.gpus.trainer``)."""
+    parts = dotted.split(".")
+    for n in range(1, len(parts) + 1):
+        try:
+            annotation = resolve_field(model, ".".join(parts[:n]), "")
+        except ConfigError:
+            return False
+        if n < len(parts) and _is_mapping(annotation):
+            return True
     return True
+
+
+def _is_mapping(annotation: Any) -> bool:
+    """``dict[...]`` (or an optional one): its keys are data, not config keys."""
+    options = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else (annotation,)
+    )
+    return any(typing.get_origin(a) is dict or a is dict for a in options)
 
 
 def _renamed(rule: Rule, key: str) -> str:
