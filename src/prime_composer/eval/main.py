@@ -69,8 +69,9 @@ def model_directory(config: EvalRunConfig, results_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def serving(inference: InferenceConfig, log_path: Path) -> Iterator[str]:
-    """An inference server for ``inference``; yields its OpenAI base URL (``.../v1``)."""
+def serving(inference: InferenceConfig, log_path: Path, gpus: list[int] | None = None) -> Iterator[str]:
+    """An inference server for ``inference``; yields its OpenAI base URL (``.../v1``). A vLLM child
+    sees only ``gpus`` (the run's ``launch.gpus.inference``) when given."""
     if inference.backend == "hf":
         from prime_composer.inference.local import running_server
 
@@ -88,6 +89,7 @@ def serving(inference: InferenceConfig, log_path: Path) -> Iterator[str]:
             name="inference",
             argv=[sys.executable, "-m", "prime_composer.inference.main", "@", str(config_path)],
             kind="service",
+            env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {},
         ),
         log_path,
     )
@@ -233,7 +235,7 @@ def run(config: EvalRunConfig) -> int:
     from prime_composer.model.resolve import resolve_model_name
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(model))
-    with serving(inference, results_dir / "inference.log") as base_url:
+    with serving(inference, results_dir / "inference.log", config.launch.gpus.get("inference")) as base_url:
         records = asyncio.run(play(config, base_url, model, tokenizer))
     summary = summarize_records(records, config)
     atomic_write_text(results_dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in records))
