@@ -56,6 +56,26 @@ class Oracle(BaseHTTPRequestHandler):
 
 
 def test_teacher_pairs_reach_the_trainer(tmp_path: Path) -> None:
+    # Frozen traces with wrong answers, imported at start, so pairs exist while the run is young;
+    # the run's own rollouts are posted as traces too (replay/traces_sent).
+    frozen = tmp_path / "frozen.jsonl"
+    frozen.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"frozen-{a}-{b}",
+                    "turns": [
+                        {"role": "user", "content": f"What is {a} + {b}?"},
+                        {"role": "assistant", "content": str(a + b + 1)},
+                    ],
+                    "reward": 0.0,
+                }
+            )
+            + "\n"
+            for a in range(4)
+            for b in range(3)
+        )
+    )
     server = ThreadingHTTPServer(("127.0.0.1", 0), Oracle)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     oracle = f"http://127.0.0.1:{server.server_address[1]}/v1"
@@ -63,13 +83,14 @@ def test_teacher_pairs_reach_the_trainer(tmp_path: Path) -> None:
     try:
         proc = run_rl(
             tmp_path,
-            "--max-steps", "6",
+            "--max-steps", "8",
             "--warmup.max-steps", "40",
             "--orchestrator.eval.interval", "0",
             "--ckpt.interval", "0",
             "--teacher.port", str(free_port()),
             "--teacher.pool", pool,
             "--teacher.poll-s", "0.5",
+            "--teacher.traces.files", f'["{frozen}"]',
             "--teacher.gate.min-score", "0.0",
             "--orchestrator.replay.enabled",
             "--orchestrator.replay.pairs-per-step", "16",

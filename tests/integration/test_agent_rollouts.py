@@ -25,6 +25,7 @@ from prime_composer.config.sdpo import HintConfig
 from prime_composer.config.teacher import TraceSourceConfig
 from prime_composer.model.resolve import resolve_model_name
 from prime_composer.orchestrator import envs
+from prime_composer.orchestrator.replay.traces import samples_to_traces
 from prime_composer.orchestrator.rollout import RolloutRunner
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.hints import HintBuilder
@@ -241,7 +242,10 @@ def test_sibling_hints_use_the_successful_siblings_reply_at_the_same_step(server
 
 def test_an_episode_exports_to_the_replay_trace_store(server, pyfix) -> None:
     ((sample,),) = play(pyfix, server[1], "oracle", [1])
-    trace = parse_trace(episode_trace([sample]), "test", TraceSourceConfig())
+    # What the orchestrator posts to the teacher service: the episode as one trace, turn by turn.
+    (sent,) = samples_to_traces([sample])
+    assert sent == episode_trace([sample])
+    trace = parse_trace(sent, "test", TraceSourceConfig())
     steps = [trace.turns[i] for i in trace.step_indices]
     assert len(steps) == 5
     assert [[c.name for c in s.tool_calls] for s in steps] == [

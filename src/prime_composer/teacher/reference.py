@@ -53,6 +53,12 @@ class ReferenceScorer:
             )
         return self._tokenizer
 
+    def load(self) -> None:
+        """Load the tokenizer and the reference weights now (the service does this at start-up,
+        off the event loop, so the first pairs do not wait for a cold import)."""
+        _ = self.tokenizer
+        self._load_model()
+
     def _load_model(self) -> Any:
         if self._model is None:
             import torch

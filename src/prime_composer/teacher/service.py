@@ -182,11 +182,21 @@ async def _serve(
     logger.info("serving on %s", url)
 
     async def reference_loop() -> None:
+        try:  # loading takes seconds (torch, transformers, the weights): start before any pair
+            await asyncio.to_thread(scorer.load)
+        except Exception:  # a model that cannot load is retried by the passes below, and logged
+            logger.exception("loading the reference model %s failed", scorer.name)
         while not stop.is_set():
-            ready = await asyncio.to_thread(
-                reference_pass, reference_store, scorer, cfg.pairs.max_pair_tokens
-            )
-            if ready == 0:
+            try:
+                ready = await asyncio.to_thread(
+                    reference_pass, reference_store, scorer, cfg.pairs.max_pair_tokens
+                )
+            except Exception:  # the pairs stay pending; the next pass retries them
+                logger.exception("reference pass failed; retrying in %.1f s", cfg.poll_s)
+                ready = 0
+            if ready:
+                logger.info("reference logprobs for %d pairs: ready", ready)
+            else:
                 await _wait(stop, cfg.poll_s)
 
     referencing = asyncio.create_task(reference_loop())

@@ -3,8 +3,9 @@
 A sample becomes one trace in ``teacher/traces.py``'s schema: its messages, the reward, and on the
 last assistant turn the exact tokens the policy saw and sampled (``prompt_token_ids``,
 ``token_ids``) with their logprobs (the student's uncertainty, which the service's gate reads).
-Multi-turn samples carry per-turn records (``Sample.info["turns"]``) that give every assistant turn
-its own tokens. Sending runs in the background through ``EndpointClient``; a failed or refused
+Agent episodes (samples with per-turn records, ``Sample.info["turns"]``) go through
+``trace_export.episode_trace`` instead, one trace per episode (the samples of a split episode share
+its ``trace_id``), every assistant turn with its own tokens and tool calls. Sending runs in the background through ``EndpointClient``; a failed or refused
 batch is counted (``replay/traces_failed``), never a crash.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 from prime_composer.client.http import EndpointClient
 from prime_composer.config.client import RetryConfig
 from prime_composer.orchestrator.sample import Sample
+from prime_composer.orchestrator.trace_export import episode_trace
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,20 @@ def sample_to_trace(sample: Sample) -> dict[str, Any] | None:
     return trace
 
 
+def samples_to_traces(samples: list[Sample]) -> list[dict[str, Any]]:
+    """The trace records of finished samples: one per agent episode, one per plain sample."""
+    traces: list[dict[str, Any]] = []
+    episodes: dict[str, list[Sample]] = {}
+    for sample in samples:
+        if "turns" in sample.info and sample.info.get("trace_id") is not None:
+            if sample.error is None:
+                episodes.setdefault(str(sample.info["trace_id"]), []).append(sample)
+        elif (trace := sample_to_trace(sample)) is not None:
+            traces.append(trace)
+    traces.extend(episode_trace(episode) for episode in episodes.values())
+    return traces
+
+
 class TraceSender:
     """Posts traces to the teacher service in the background."""
 
@@ -58,7 +74,7 @@ class TraceSender:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def send(self, samples: list[Sample]) -> None:
-        traces = [t for s in samples if (t := sample_to_trace(s)) is not None]
+        traces = samples_to_traces(samples)
         if traces:
             task = asyncio.create_task(self._post(traces))
             self._tasks.add(task)
