@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from prime_composer.checkpoint_layout import DEFAULT_PARTS, complete_steps
 
@@ -40,3 +41,15 @@ def test_quickstart_runs_end_to_end(tmp_path: Path) -> None:
     assert complete_steps(out / "checkpoints", DEFAULT_PARTS) == [2, 3]
     assert (out / "report.png").stat().st_size > 1000
     assert "reward: first" in proc.stdout
+
+    # The exported model is the last published policy, loadable offline, with its model card.
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(out / "final", local_files_only=True)
+    published = load_file(out / "broadcasts" / "step_3" / "model.safetensors")
+    for name, tensor in final.state_dict().items():
+        if name in published:
+            assert torch.equal(tensor.float(), published[name].float()), name
+    card = (out / "final" / "README.md").read_text()
+    assert "builtin:tiny-qwen3" in card and "SFT warm-up" in card and "| end |" in card

@@ -26,7 +26,7 @@ import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
@@ -75,6 +75,23 @@ class CliOptions:
 
     help: bool = False
     dry_run: bool = False
+    notes: list[str] = field(default_factory=list)
+    """Lines the translation of another project's key names left for the user (printed to stderr)."""
+
+
+class RawTranslator(Protocol):
+    """Rewrites another project's key names (PRIME-RL's: ``config/prime_rl.py``) into the model's,
+    on the merged raw values, before validation, so every key keeps its origin."""
+
+    def flag_target(self, dotted: str) -> str | None:
+        """The model's key whose type parses a ``--flag`` spelled the other project's way."""
+        ...
+
+    def __call__(
+        self, values: dict[str, Any], origins: dict[str, str]
+    ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+        """``(values, origins, notes)``; raises ``ConfigError`` for keys that cannot be translated."""
+        ...
 
 
 # ----------------------------------------------------------------------------- model introspection
@@ -292,10 +309,20 @@ def _check_env_names(model: type[BaseModel], prefix: str) -> None:
 
 
 def parse_argv(
-    argv: Sequence[str], model: type[BaseModel], aliases: dict[str, str] | None = None
+    argv: Sequence[str],
+    model: type[BaseModel],
+    aliases: dict[str, str] | None = None,
+    translate: RawTranslator | None = None,
 ) -> tuple[list[Layer], Layer, CliOptions]:
-    """Split ``argv`` into file layers (in order), one layer of flags, and entry-point options."""
+    """Split ``argv`` into file layers (in order), one layer of flags, and entry-point options.
+
+    A flag spelled the way ``translate`` knows is kept under that spelling (it is translated with
+    the files) and parsed with the type of the key it becomes."""
     aliases = aliases or {}
+
+    def typed_as(dotted: str) -> str:
+        return (translate.flag_target(dotted) if translate is not None else None) or dotted
+
     files: list[Layer] = []
     flags = Layer()
     options = CliOptions()
@@ -334,7 +361,7 @@ def parse_argv(
             origin = f"{COMMAND_LINE} ({token})"
             nxt = tokens[i + 1] if i + 1 < len(tokens) else None
             if not eq and nxt is not None and nxt.startswith("@"):
-                annotation = resolve_field(model, dotted, origin)
+                annotation = resolve_field(model, typed_as(dotted), origin)
                 if submodel(annotation) is None:
                     raise ConfigError(
                         f"{origin}: a file can only be given for a section, and {dotted!r} is a value"
@@ -342,13 +369,13 @@ def parse_argv(
                 i += 1
                 take_file(dotted)
                 continue
-            if not eq and dotted.startswith("no_") and _field_exists(model, dotted[3:]):
-                if not _is_bool(resolve_field(model, dotted[3:], origin)):
+            if not eq and dotted.startswith("no_") and _field_exists(model, typed_as(dotted[3:])):
+                if not _is_bool(resolve_field(model, typed_as(dotted[3:]), origin)):
                     raise ConfigError(f"{origin}: {dotted[3:]!r} is not a boolean; give it a value instead")
                 flags.set(dotted[3:], False, origin)
                 i += 1
                 continue
-            annotation = resolve_field(model, dotted, origin)
+            annotation = resolve_field(model, typed_as(dotted), origin)
             if eq:
                 raw, i = inline, i + 1
             elif _is_bool(annotation) and (nxt is None or nxt.startswith(("--", "@"))):
@@ -444,18 +471,23 @@ def build_config(
     env_prefix: str,
     aliases: dict[str, str] | None = None,
     finalize: Callable[[M, dict[str, str]], M] | None = None,
+    translate: RawTranslator | None = None,
 ) -> tuple[M, CliOptions]:
     """Parse ``argv`` and the environment into a validated ``model`` instance.
 
-    ``finalize`` runs after validation with the per-key origins (e.g. to unify shared keys).
+    ``translate`` rewrites foreign key names in the merged values first (its notes land in
+    ``CliOptions.notes``); ``finalize`` runs after validation with the per-key origins (e.g. to
+    unify shared keys).
     """
-    files, flags, options = parse_argv(argv, model, aliases)
+    files, flags, options = parse_argv(argv, model, aliases, translate)
     layers = [env_layer(model, env_prefix), *files, flags]
     values: dict[str, Any] = {}
     origins: dict[str, str] = {}
     for layer in layers:
         values = _deep_merge(values, layer.values)
         origins.update(layer.origins)
+    if translate is not None and not options.help:
+        values, origins, options.notes = translate(values, origins)
     if options.help:
         return model.model_construct(), options
     try:
@@ -477,16 +509,21 @@ def run_entry_point(
     aliases: dict[str, str] | None = None,
     finalize: Callable[[M, dict[str, str]], M] | None = None,
     describe: str = "",
+    translate: RawTranslator | None = None,
 ) -> int:
     """The whole life of a console script: parse, ``--help``/``--dry-run``, run, exit code."""
     from prime_composer.config.help import render_help
 
     argv = sys.argv[1:] if argv is None else argv
     try:
-        config, options = build_config(argv, model, env_prefix=env_prefix, aliases=aliases, finalize=finalize)
+        config, options = build_config(
+            argv, model, env_prefix=env_prefix, aliases=aliases, finalize=finalize, translate=translate
+        )
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    for note in options.notes:
+        print(f"{prog}: note: {note}", file=sys.stderr)
     if options.help:
         print(render_help(model, prog=prog, describe=describe, env_prefix=env_prefix, aliases=aliases))
         return 0

@@ -6,12 +6,15 @@ from collections.abc import Sequence
 
 from prime_composer.config.cli import CliOptions, build_config, origin_of
 from prime_composer.config.errors import ConfigError
+from prime_composer.config.prime_rl import PrimeRLNames
 from prime_composer.config.processes import SECTION_NAMES, checkpoint_parts
 from prime_composer.config.rl import RLConfig
 from prime_composer.config.shared import unify_shared_keys
 
 ENV_PREFIX = "PRIME_COMPOSER_"
 RL_ALIASES = {"--resume": "ckpt.resume=true"}
+PRIME_RL_NAMES = PrimeRLNames(RLConfig)
+"""PRIME-RL's spelling of the same settings, accepted by ``rl`` (``config/prime_rl.py``)."""
 
 
 def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
@@ -34,6 +37,7 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
             f"{config.transport.keep_last_steps} must exceed max_async_level = {config.max_async_level}, "
             f"or the trainer could miss a step the orchestrator already deleted"
         )
+    _check_gpus(config, origins)
     _check_sdpo(config, origins)
     _check_replay(config, origins)
     _copy_diloco(config, origins)
@@ -48,6 +52,27 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
         )
     config.orchestrator.base_url = expected
     return config
+
+
+def _check_gpus(config: RLConfig, origins: dict[str, str]) -> None:
+    """``launch.gpus`` gives the trainer one GPU per rank and vLLM one per tensor-parallel shard."""
+    gpus = config.launch.gpus
+    where = origin_of("launch.gpus", origins)
+    if "trainer" in gpus and len(gpus["trainer"]) != config.trainer.num_ranks:
+        raise ConfigError(
+            f"{where}: launch.gpus.trainer has {len(gpus['trainer'])} GPUs but trainer.num_ranks = "
+            f"{config.trainer.num_ranks}; the trainer runs one rank per GPU, so make them equal"
+        )
+    tensor_parallel = config.inference.vllm.tensor_parallel_size
+    if (
+        config.inference.backend == "vllm"
+        and "inference" in gpus
+        and len(gpus["inference"]) < tensor_parallel
+    ):
+        raise ConfigError(
+            f"{where}: launch.gpus.inference has {len(gpus['inference'])} GPUs but "
+            f"inference.vllm.tensor_parallel_size = {tensor_parallel}; give it at least that many"
+        )
 
 
 def set_shared(config: RLConfig, dotted: str, value: object) -> None:
@@ -148,5 +173,10 @@ def _client_host(bind_host: str) -> str:
 def resolve_rl_config(argv: Sequence[str]) -> tuple[RLConfig, CliOptions]:
     """The resolved config for ``argv`` (raises ConfigError on user mistakes)."""
     return build_config(
-        argv, RLConfig, env_prefix=ENV_PREFIX, aliases=RL_ALIASES, finalize=finalize_rl_config
+        argv,
+        RLConfig,
+        env_prefix=ENV_PREFIX,
+        aliases=RL_ALIASES,
+        finalize=finalize_rl_config,
+        translate=PRIME_RL_NAMES,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prime_composer.config.base import BaseConfig
@@ -13,6 +13,7 @@ from prime_composer.config.diloco import DilocoConfig
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.config.orchestrator import OrchestratorConfig
 from prime_composer.config.teacher import TeacherServiceConfig
+from prime_composer.config.tracking import WandbConfig
 from prime_composer.config.trainer import TrainerConfig
 
 
@@ -31,10 +32,39 @@ class LaunchConfig(BaseConfig):
     refresh_s: float = Field(default=1.0, gt=0)
     """Seconds between progress display refreshes."""
 
+    gpus: dict[str, list[int]] = Field(default_factory=dict)
+    """GPUs per process on this node, e.g. ``{inference = [0, 1], trainer = [2, 3, 4, 5, 6, 7]}``:
+    each listed process sees only its own (``CUDA_VISIBLE_DEVICES``), so the inference server and
+    the trainer never share one. A process left out sees every GPU. The trainer needs one GPU per
+    rank (``trainer.num_ranks``); vLLM one per tensor-parallel shard."""
+
     overwrite: bool = False
     """Start fresh even when ``output_dir`` holds checkpoints of an earlier run (they are deleted,
     with its rollouts, broadcasts, metrics and logs). Without it such a run must be resumed
     (``--resume``) or given another ``output_dir``."""
+
+    @field_validator("gpus")
+    @classmethod
+    def _check_gpus(cls, gpus: dict[str, list[int]]) -> dict[str, list[int]]:
+        from prime_composer.config.processes import SECTION_NAMES
+
+        seen: dict[int, str] = {}
+        for name, ids in gpus.items():
+            if name not in SECTION_NAMES:
+                raise ValueError(
+                    f"launch.gpus.{name}: not a process; the processes are {', '.join(SECTION_NAMES)}"
+                )
+            if not ids or any(i < 0 for i in ids):
+                raise ValueError(
+                    f"launch.gpus.{name} = {ids}: list GPU indices (0, 1, ...), or leave the process out"
+                )
+            for i in ids:
+                if i in seen:
+                    raise ValueError(
+                        f"launch.gpus: GPU {i} is given to both {seen[i]} and {name}; give each process its own"
+                    )
+                seen[i] = name
+        return gpus
 
 
 class WarmupConfig(BaseConfig):
@@ -108,3 +138,7 @@ class RLConfig(BaseSettings, CommonConfig):
 
     launch: LaunchConfig = LaunchConfig()
     """The launcher itself."""
+
+    wandb: WandbConfig | None = None
+    """Optional experiment tracking: one W&B run per launch, fed from ``metrics/*.jsonl``
+    (``[wandb]``; an empty table turns it on with the defaults)."""

@@ -32,6 +32,11 @@ class TrainerConfig(CommonConfig):
     diloco: DilocoConfig = DilocoConfig()
     """The Streaming DiLoCo outer loop across data centers (``rl`` copies the top-level ``[diloco]``)."""
 
+    export_final: bool = True
+    """At the end of the run, write ``<output_dir>/final/``: the model as a Hugging Face directory
+    (safetensors, config, tokenizer, chat template) with a model card. ``rl export`` writes one
+    from any checkpoint later."""
+
     keep_broadcasts: int = Field(default=3, ge=1)
     """How many of the newest published weight versions to keep under ``broadcasts/``."""
 

@@ -15,14 +15,20 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from prime_composer.checkpoint_layout import find_resume_point
 from prime_composer.config.errors import RUN_ERROR_EXIT_CODE, ConfigError
 from prime_composer.config.processes import enabled_processes
-from prime_composer.config.resolve import ENV_PREFIX, RL_ALIASES, finalize_rl_config, set_shared
+from prime_composer.config.resolve import (
+    ENV_PREFIX,
+    PRIME_RL_NAMES,
+    RL_ALIASES,
+    finalize_rl_config,
+    set_shared,
+)
 from prime_composer.config.rl import RLConfig
 from prime_composer.io import atomic_write_text
 from prime_composer.launch.launcher import Launcher, LaunchResult
@@ -62,9 +68,15 @@ def build_specs(config: RLConfig, config_paths: dict[str, Path]) -> list[Process
             section = getattr(config, process.name)
             host = "127.0.0.1" if section.host in ("0.0.0.0", "::", "") else section.host
             health_url = f"http://{host}:{section.port}{process.health_path}"
+        gpus = config.launch.gpus.get(process.name)
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
         specs.append(
             ProcessSpec(
-                name=process.name, argv=[sys.executable, *argv], kind=process.kind, health_url=health_url
+                name=process.name,
+                argv=[sys.executable, *argv],
+                kind=process.kind,
+                health_url=health_url,
+                env=env,
             )
         )
     return specs
@@ -163,9 +175,27 @@ def launch(config: RLConfig, argv: Sequence[str]) -> int:
         # Every process resumes from exactly this step (the one that verified).
         set_shared(config, "ckpt.resume_step", point.step)
     else:
-        prepare_fresh(output_dir, config.launch.overwrite, extra=("sft",))
+        prepare_fresh(output_dir, config.launch.overwrite, extra=("sft", "final", "eval"))
     print(f"rl: output in {output_dir} (logs/, metrics/, configs/)", flush=True)
     paths = write_resolved_configs(config)
+    from prime_composer.tracking import start_tracker
+
+    tracker = start_tracker(config)  # [wandb]: one W&B run fed from metrics/*.jsonl; None without it
+    exit_code = 1
+    try:
+        exit_code = _run_stages(config, argv, paths, tracker.tick if tracker else None)
+    finally:
+        if tracker is not None:
+            tracker.finish(exit_code)
+    return exit_code
+
+
+def _run_stages(
+    config: RLConfig, argv: Sequence[str], paths: dict[str, Path], track: Callable[..., None] | None
+) -> int:
+    """The warm-up (if any), then RL; ``track`` is called with the progress display."""
+    output_dir = config.output_dir
+    resuming = config.ckpt.resume or config.ckpt.resume_step is not None
     launch_kwargs: dict[str, Any] = {
         "health_timeout_s": config.launch.health_timeout_s,
         "stop_timeout_s": config.launch.stop_timeout_s,
@@ -178,7 +208,7 @@ def launch(config: RLConfig, argv: Sequence[str]) -> int:
             print(f"rl: SFT warm-up ({config.warmup.max_steps} steps), log in logs/sft.log", flush=True)
             # One job after the other: sft reads the data sft-data writes.
             for spec in specs:
-                result = Launcher([spec], output_dir / "logs", **launch_kwargs).run()
+                result = Launcher([spec], output_dir / "logs", on_tick=track, **launch_kwargs).run()
                 if result.exit_code != 0:
                     print(f"rl: warm-up failed ({result.reason})", flush=True)
                     return result.exit_code
@@ -186,9 +216,13 @@ def launch(config: RLConfig, argv: Sequence[str]) -> int:
         paths = write_resolved_configs(config)
 
     progress = Progress(output_dir / "metrics", config.max_steps, live=config.launch.progress)
-    launcher = Launcher(
-        build_specs(config, paths), output_dir / "logs", on_tick=progress.tick, **launch_kwargs
-    )
+
+    def tick(statuses: dict[str, str]) -> None:
+        progress.tick(statuses)
+        if track is not None:
+            track(statuses)
+
+    launcher = Launcher(build_specs(config, paths), output_dir / "logs", on_tick=tick, **launch_kwargs)
     try:
         result = launcher.run()
     finally:
@@ -197,15 +231,30 @@ def launch(config: RLConfig, argv: Sequence[str]) -> int:
         print(f"rl: run stopped ({result.reason}).{_resume_hint(config, argv, result)}", flush=True)
         return result.exit_code
     report = write_report_png(output_dir)
+    if (output_dir / "final").is_dir():  # the trainer wrote it before the last eval was logged
+        from prime_composer.trainer.model_card import write_model_card
+
+        write_model_card(output_dir / "final", output_dir)
     print(summary(output_dir), flush=True)
     print(f"rl: done: {config.max_steps} steps; report: {report}", flush=True)
     return 0
 
 
+SUBCOMMANDS = {
+    "migrate": "prime_composer.config.migrate",  # rl migrate prime-rl.toml: print it in our names
+    "export": "prime_composer.trainer.export",  # rl export @ config.toml --checkpoint <dir>
+}
+"""``rl <name> ...``: the module whose ``main(argv)`` runs it."""
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    import importlib
+
     from prime_composer.config.cli import run_entry_point
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        sys.exit(importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:]))
     sys.exit(
         run_entry_point(
             RLConfig,
@@ -216,6 +265,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             aliases=RL_ALIASES,
             finalize=finalize_rl_config,
             describe="Run inference, orchestrator and trainer together (see docs/architecture.md).",
+            translate=PRIME_RL_NAMES,
         )
     )
 

@@ -1,5 +1,10 @@
 """Write the trained model as a complete Hugging Face directory (weights, config, tokenizer).
 
+At the end of a run the trainer writes ``<output_dir>/final/`` with a model card
+(``model_card.py``); ``rl export @ config.toml --checkpoint <dir>`` does the same on demand from a
+trainer checkpoint (DCP shards: loaded into the base model's architecture, then saved), a published
+weights directory (copied, with the base model's tokenizer) or a model directory.
+
 The result loads with ``from_pretrained`` and as ``model.name`` everywhere (trainer, both inference
 backends, the teacher), unlike ``transport/weights.py``'s published steps, which carry no
 tokenizer and are meant for live weight updates. Written into a hidden temporary directory and
@@ -18,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from prime_composer.config.base import ModelConfig
 from prime_composer.integrity import write_manifest
 from prime_composer.trainer.model import World, full_state_dict
 
@@ -74,3 +80,161 @@ def _retie(model: nn.Module, state_dict: dict) -> None:
         present = [n for n in names if n in state_dict]
         for alias in present[1:]:
             state_dict[alias] = state_dict[present[0]]
+
+
+# ------------------------------------------------------------------------- the run's exported model
+
+FINAL_DIR = "final"
+"""``<output_dir>/final/``: the model at the end of the run, as a Hugging Face directory."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def export_final(model: Any, tokenizer: Any, output_dir: Path, world: World) -> Path:
+    """Write ``<output_dir>/final/`` (weights, config, tokenizer and chat template) and its model
+    card. Collective under FSDP, like ``save_hf_directory``."""
+    from prime_composer.trainer.model_card import write_model_card
+
+    path = save_hf_directory(model, tokenizer, Path(output_dir) / FINAL_DIR, world)
+    if world.is_main:
+        write_model_card(path, output_dir)
+    world.barrier()
+    return path
+
+
+def checkpoint_kind(path: Path) -> str:
+    """``hf`` (a model directory with its tokenizer), ``weights`` (a published ``broadcasts/step_N``)
+    or ``dcp`` (a trainer checkpoint: ``checkpoints/step_N`` or its ``trainer/`` part)."""
+    path = Path(path)
+    if (path / "config.json").is_file() and any((path / name).is_file() for name in TOKENIZER_FILES):
+        return "hf"
+    if (path / "config.json").is_file() and (path / "STABLE").is_file():
+        return "weights"
+    if _dcp_dir(path) is not None:
+        return "dcp"
+    raise ValueError(
+        f"{path} is not a checkpoint: expected a trainer checkpoint (checkpoints/step_N, holding "
+        "trainer/model_optim), a published weights directory (broadcasts/step_N, holding config.json "
+        "and STABLE) or a Hugging Face model directory (config.json and a tokenizer)"
+    )
+
+
+def to_hf_directory(checkpoint: Path, base: ModelConfig, out: Path) -> Path:
+    """A Hugging Face directory for ``checkpoint``: the directory itself when it is one already,
+    else ``out`` written from it (the tokenizer and chat template come from ``base``, the model the
+    run trained, which also gives the architecture a trainer checkpoint is loaded into)."""
+    kind = checkpoint_kind(checkpoint)
+    if kind == "hf":
+        return Path(checkpoint)
+    from prime_composer.model.resolve import resolve_model_name
+
+    tokenizer = _load_tokenizer(base)
+    if kind == "weights":
+        from prime_composer.transport.weights import verify_published
+
+        names = verify_published(checkpoint)  # weights and index, checked against their digests
+        out.mkdir(parents=True, exist_ok=True)
+        for name in [*names, "config.json"]:
+            shutil.copyfile(Path(checkpoint) / name, out / name)
+        tokenizer.save_pretrained(out)
+        write_manifest(out)
+        return out
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from prime_composer.integrity import verify_manifest
+
+    part = _dcp_dir(checkpoint)
+    assert part is not None  # checkpoint_kind said dcp
+    verify_manifest(part)
+    dtype = _dcp_dtype(part / "model_optim")
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model_name(base.name), dtype=dtype, trust_remote_code=base.trust_remote_code
+    )
+    state = {"model": get_model_state_dict(model)}
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(part / "model_optim"), no_dist=True)
+    set_model_state_dict(model, state["model"])
+    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    return save_hf_directory(model, tokenizer, out, world)
+
+
+def _dcp_dir(path: Path) -> Path | None:
+    """The trainer part holding ``model_optim/`` for ``checkpoints/step_N`` or ``.../trainer``."""
+    for candidate in (Path(path), Path(path) / "trainer"):
+        if (candidate / "model_optim" / ".metadata").is_file():
+            return candidate
+    return None
+
+
+def _dcp_dtype(directory: Path) -> Any:
+    """The dtype the model's tensors were saved in (so an export keeps the trained precision)."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    for key, entry in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and hasattr(entry, "properties"):
+            return entry.properties.dtype
+    raise ValueError(f"{directory}: no model tensors in this checkpoint")
+
+
+def _load_tokenizer(base: ModelConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    from prime_composer.model.resolve import resolve_model_name
+
+    return AutoTokenizer.from_pretrained(
+        resolve_model_name(base.name), revision=base.revision, trust_remote_code=base.trust_remote_code
+    )
+
+
+def export_checkpoint(config: Any) -> Path:
+    """``rl export``: the model directory (and card) of ``config.checkpoint`` (default: the newest
+    complete checkpoint of the run) in ``config.export_dir`` (default: ``<output_dir>/final``)."""
+    from prime_composer.checkpoint_layout import latest_complete_step, step_dir
+    from prime_composer.trainer.model_card import write_model_card
+
+    output_dir = Path(config.output_dir)
+    checkpoint = config.checkpoint
+    if checkpoint is None:
+        root = output_dir / "checkpoints"
+        step = latest_complete_step(root, ("trainer",))
+        if step is None:
+            raise ValueError(f"no complete trainer checkpoint under {root}: give --checkpoint <dir>")
+        checkpoint = step_dir(root, step)
+    out = Path(config.export_dir) if config.export_dir is not None else output_dir / FINAL_DIR
+    if checkpoint_kind(checkpoint) == "hf" and Path(checkpoint).resolve() != out.resolve():
+        shutil.copytree(checkpoint, out, dirs_exist_ok=True)
+    else:
+        path = to_hf_directory(checkpoint, config.model, out)
+        assert path == out
+    write_model_card(out, output_dir)
+    return out
+
+
+def main(argv: Any) -> int:
+    """``rl export @ config.toml [--checkpoint <dir>] [--export-dir <dir>]``."""
+    from prime_composer.config.cli import run_entry_point
+    from prime_composer.config.errors import ConfigError
+    from prime_composer.config.evaluate import ExportConfig, resolve_kwargs
+
+    def run(config: ExportConfig) -> int:
+        try:
+            out = export_checkpoint(config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        print(f"rl export: wrote {out} (a Hugging Face model directory with its model card)")
+        return 0
+
+    return run_entry_point(
+        ExportConfig,
+        run,
+        prog="rl export",
+        argv=list(argv),
+        describe="Write a checkpoint as a Hugging Face model directory with a model card.",
+        **resolve_kwargs(ExportConfig),
+    )

@@ -13,6 +13,9 @@ For step ``s`` (model = policy after ``s`` optimizer steps):
 5. publish the new weights as ``broadcasts/step_<s+1>/`` for the inference server;
 6. log ``metrics/trainer.jsonl``.
 
+After the last step: a checkpoint (``ckpt.at_end``) and ``<output_dir>/final/``, the model as a
+Hugging Face directory with a model card (``export_final``, ``export.py``).
+
 Run it through ``rl`` or alone: ``uv run trainer @ <output_dir>/configs/trainer.json`` (under
 ``torchrun`` for several ranks).
 """
@@ -32,6 +35,7 @@ from prime_composer.config.trainer import TrainerConfig
 from prime_composer.diloco.loop import build_outer_loop
 from prime_composer.metrics import MetricsLogger
 from prime_composer.trainer.checkpoint import CheckpointManager
+from prime_composer.trainer.export import export_final
 from prime_composer.trainer.losses.aggregate import all_reduce_sum
 from prime_composer.trainer.losses.base import TermContext, build_terms
 from prime_composer.trainer.model import World, full_state_dict, init_distributed, load_model, shard_model
@@ -49,7 +53,7 @@ class Trainer:
         self.config = config
         self.world = world
         torch.manual_seed(config.seed)
-        model, _ = load_model(config.model, world.device)
+        model, self.tokenizer = load_model(config.model, world.device)
         self.hf_config = model.config
         self.model = shard_model(model, world, config.mixed_precision) if world.is_distributed else model
         self.optimizer, self.scheduler = build_optimizer(self.model, config.optim, config.max_steps)
@@ -151,6 +155,8 @@ class Trainer:
                 )
             if config.ckpt.at_end and self.start_step < config.max_steps:
                 self.save_checkpoint(config.max_steps)
+            if config.export_final:
+                export_final(self.model, self.tokenizer, config.output_dir, self.world)
         finally:
             receiver.close()
             if self.outer is not None:

@@ -1,0 +1,1 @@
+"""``eval``: a checkpoint on the environments' eval splits, outside of training (``main.py``)."""

@@ -1,0 +1,329 @@
+"""PRIME-RL's config names: its example configs (tests/fixtures/prime_rl/) resolve here, or say key
+by key what to change; conflicts between the two spellings are errors; ``rl migrate`` prints a
+config that resolves to the same thing without translation."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prime_composer.config.errors import ConfigError
+from prime_composer.config.migrate import migrate
+from prime_composer.config.prime_rl_rules import RULES, _shared_rules
+from prime_composer.config.resolve import resolve_rl_config
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures" / "prime_rl"
+K8S = FIXTURES / "k8s-reverse-text"
+SPLIT = ["--trainer", "@", str(K8S / "train.toml"), "--orchestrator", "@", str(K8S / "orch.toml"),
+         "--inference", "@", str(K8S / "infer.toml")]  # fmt: skip
+
+
+def resolve(*argv: str):
+    config, options = resolve_rl_config(list(argv))
+    return config, options.notes
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return str(path)
+
+
+# ------------------------------------------------------------------------------ PRIME-RL's examples
+
+
+@pytest.mark.parametrize("name", ["reverse-text", "reverse-text-2026-07", "reverse-text-2026-01"])
+def test_reverse_text_in_three_generations_of_names(name: str) -> None:
+    config, notes = resolve("@", str(FIXTURES / f"{name}.toml"))
+    orch = config.orchestrator
+    assert (config.max_steps, orch.seq_len, orch.batch_size, orch.group_size) == (20, 2048, 128, 16)
+    assert orch.sampling.max_tokens == 128
+    assert config.trainer.optim.lr == 3e-6
+    assert config.model.name == config.inference.model.name == "PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT"
+    assert [env.id for env in orch.env] == ["reverse-text-v1" if name.endswith("07") else "reverse-text"]
+    assert config.wandb is not None and (config.wandb.project, config.wandb.name) == ("reverse-text",) * 2
+    assert config.wandb.mode == "auto"
+    # The only key with no equivalent is the renderer, and it is said so, once.
+    assert [n for n in notes if "renderer" in n] == ([] if name != "reverse-text" else [notes[0]]) and len(
+        notes
+    ) == (1 if name == "reverse-text" else 0)
+
+
+def test_split_files_resolve_like_the_single_file() -> None:
+    split, notes = resolve(*SPLIT)
+    single, _ = resolve("@", str(FIXTURES / "reverse-text.toml"))
+    for config in (split, single):
+        assert config.orchestrator.seq_len == 2048 and config.max_steps == 20
+    assert split.orchestrator.env == single.orchestrator.env
+    assert split.wandb == single.wandb
+    assert split.trainer.optim.lr == single.trainer.optim.lr
+    assert split.orchestrator.sampling == single.orchestrator.sampling
+    assert any("orchestrator.renderer.name" in n for n in notes)
+
+
+@pytest.mark.parametrize("name", ["alphabet-sort", "wiki-search"])
+def test_lora_is_refused_key_by_key(name: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        resolve("@", str(FIXTURES / f"{name}.toml"))
+    lines = str(e.value).splitlines()
+    lora = [line for line in lines if "lora" in line]
+    expected = {"alphabet-sort": {"trainer.model.lora.rank", "trainer.model.lora.alpha"},
+                "wiki-search": {"trainer.model.lora.rank", "trainer.model.lora.dropout",
+                                "trainer.model.lora.target_modules", "orchestrator.model.lora.name"}}[name]  # fmt: skip
+    assert {re.search(r": (\S+) = ", line).group(1) for line in lora} == expected  # type: ignore[union-attr]
+    for line in lora:
+        assert line.startswith(str(FIXTURES / f"{name}.toml")) and "no equivalent" in line
+    assert "rl migrate" in lines[-1]
+
+
+def test_alphabet_sort_taskset_fields_become_args(tmp_path: Path) -> None:
+    text = (FIXTURES / "alphabet-sort.toml").read_text()
+    text = re.sub(r"\[trainer\.model\.lora\]\nrank = 32\nalpha = 64\n", "", text)
+    config, notes = resolve("@", write(tmp_path, text))
+    (env,) = config.orchestrator.env
+    assert env.id == "alphabet-sort"
+    assert env.args == {"min_turns": 3, "max_turns": 5, "task": {"power_per_turn": False}}
+    assert {"trainer.model.impl", "trainer.model.ac.freq"} <= {
+        re.search(r": (\S+) = ", n).group(1) for n in notes
+    }  # type: ignore[union-attr]
+
+
+def test_wiki_search_gate_gpus_and_vllm_arguments(tmp_path: Path) -> None:
+    text = (FIXTURES / "wiki-search.toml").read_text()
+    text = text[: text.index("[trainer.model.lora]")] + text[text.index("[orchestrator]") :]
+    text = text.replace('[orchestrator.model.lora]\nname = "qwen3-4b-wiki-search"\n', "")
+    config, notes = resolve("@", write(tmp_path, text))
+    assert config.orchestrator.advantage.dynamic_sampling is True
+    assert config.trainer.num_ranks == config.orchestrator.num_train_ranks == 2
+    assert config.inference.vllm.extra_args == ["--tool-call-parser", "hermes"]
+    assert config.trainer.optim.weight_decay == 0.0
+    joined = "\n".join(notes)
+    assert "deployment.num_infer_gpus = 6" in joined and "orchestrator.concurrency.initial_inflight" in joined
+    assert "inference.backend = 'vllm'" in joined  # PRIME-RL serves with vLLM; here that is a choice
+
+
+def test_wordle_player_seat_and_data_parallel() -> None:
+    config, notes = resolve("@", str(FIXTURES / "wordle.toml"))
+    assert [e.id for e in config.orchestrator.env] == ["wordle"]
+    assert config.orchestrator.seq_len == 8192 and config.orchestrator.sampling.max_tokens == 1024
+    assert any("inference.vllm.data_parallel_size = 6" in n for n in notes)
+
+
+def test_hendrycks_per_process_seq_len_and_an_eval_only_taskset() -> None:
+    config, notes = resolve("@", str(FIXTURES / "hendrycks-sanity.toml"))
+    (env,) = config.orchestrator.env
+    assert (env.id, env.name, env.eval_args) == ("math-env", "hendrycks-math", None)
+    assert env.args == {"dataset_name": "mikasenghaas/Sanity-Test-R1D-1.5B", "dataset_subset": "default"}
+    assert config.orchestrator.seq_len == 8192  # the orchestrator's own; the trainer's 16384 is noted
+    assert config.inference.max_model_len == 8192
+    assert config.orchestrator.eval.interval == 50
+    assert config.trainer.num_ranks == 4
+    joined = "\n".join(notes)
+    assert "trainer.model.seq_len = 16384" in joined and "orchestrator.seq_len = 8192" in joined
+    assert 'orchestrator.eval.source[0] = {"taskset": {"id": "aime24"}}' in joined
+
+
+def test_qwen3_30b_math_multi_node() -> None:
+    config, notes = resolve("@", str(FIXTURES / "qwen3-30b-math.toml"))
+    orch = config.orchestrator
+    assert (orch.seq_len, orch.batch_size, orch.max_off_policy_steps) == (32768, 512, 8)
+    assert orch.sampling.max_tokens == 32768 and config.ckpt.interval == 100
+    assert config.trainer.optim.lr == 1e-6 and config.inference.vllm.tensor_parallel_size == 8
+    noted = {re.search(r": (\S+) = ", n).group(1) for n in notes}  # type: ignore[union-attr]
+    assert {"log.level", "weight_broadcast.type", "deployment.type", "slurm.job_name", "trainer.model.ep",
+            "orchestrator.concurrency.initial_inflight", "orchestrator.eval.source[0]"} <= noted  # fmt: skip
+    assert "trainer.optim.type" not in noted  # adamw: the optimizer here, nothing to say
+
+
+# --------------------------------------------------------------------------------- mapping details
+
+
+def test_a_prime_rl_key_and_ours_for_the_same_setting_must_agree(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        resolve("@", write(tmp_path, "seq_len = 2048\n[orchestrator]\nseq_len = 1024\n"))
+    message = str(e.value)
+    assert "seq_len = 2048" in message and "orchestrator.seq_len = 1024" in message
+    assert message.startswith(str(tmp_path / "c.toml"))
+    # Saying the same thing twice is fine.
+    config, _ = resolve(
+        "@", write(tmp_path, "[orchestrator]\nrollouts_per_example = 4\ngroup_size = 4\nbatch_size = 8\n")
+    )
+    assert config.orchestrator.group_size == 4
+
+
+def test_two_sources_with_different_group_sizes_conflict(tmp_path: Path) -> None:
+    text = "".join(
+        f'[[orchestrator.train.source]]\ngroup_size = {g}\nenv.taskset = {{ id = "t{g}" }}\n' for g in (4, 8)
+    )
+    with pytest.raises(
+        ConfigError, match=r"source\[1\]\.group_size = 8 .* conflicts with orchestrator.group_size = 4"
+    ):
+        resolve("@", write(tmp_path, text))
+
+
+def test_prime_rl_and_our_environment_lists_together_are_an_error(tmp_path: Path) -> None:
+    text = (
+        '[[orchestrator.env]]\nid = "arith"\n[[orchestrator.train.source]]\nenv.taskset = { id = "arith" }\n'
+    )
+    with pytest.raises(
+        ConfigError, match=r"orchestrator.train.source .* and orchestrator.env .* are both set"
+    ):
+        resolve("@", write(tmp_path, text))
+
+
+def test_a_translated_value_still_names_its_file_and_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        resolve("@", write(tmp_path, "seq_len = 4\n"))
+    assert str(e.value) == (
+        f"{tmp_path / 'c.toml'} (as seq_len): orchestrator.seq_len = 4: Input should be greater than or equal to 16"
+    )
+
+
+def test_flags_in_prime_rl_spelling(tmp_path: Path) -> None:
+    config, _ = resolve("--orchestrator.rollouts-per-example", "4", "--orchestrator.batch-size", "8",
+                        "--seq-len", "128", "--trainer.optim.max-norm", "0.5", "--monitors.wandb.project", "p")  # fmt: skip
+    assert config.orchestrator.group_size == 4 and config.orchestrator.seq_len == 128
+    assert config.trainer.optim.max_grad_norm == 0.5
+    assert config.wandb is not None and config.wandb.project == "p"
+
+
+def test_eval_source_with_a_training_taskset_becomes_its_eval_args(tmp_path: Path) -> None:
+    text = """
+[[orchestrator.train.source]]
+name = "sums"
+env.taskset = { id = "arith", max_operand = 4 }
+[orchestrator.eval]
+interval = 7
+skip_first_step = true
+num_examples = 5
+sampling = { temperature = 0.5 }
+[[orchestrator.eval.source]]
+env.taskset = { id = "arith", max_operand = 4, split = "eval" }
+"""
+    config, notes = resolve("@", write(tmp_path, text))
+    (env,) = config.orchestrator.env
+    assert (env.args, env.eval_args, env.num_eval_examples) == ({"max_operand": 4}, {"split": "eval"}, 5)
+    ev = config.orchestrator.eval
+    assert (ev.interval, ev.at_start, ev.temperature) == (7, False, 0.5)
+    assert notes == []
+
+
+def test_optimizer_scheduler_checkpoint_resume_and_run_name(tmp_path: Path) -> None:
+    text = """
+output_dir = "runs"
+clean = true
+[run]
+name = "exp1"
+[resume]
+step = 40
+[ckpt]
+interval = 20
+keep_last = 3
+[trainer.optim]
+lr = 2e-6
+max_norm = 0.3
+betas2 = 0.95
+[trainer.scheduler]
+type = "cosine"
+warmup_steps = 5
+min_lr = 2e-7
+"""
+    config, notes = resolve("@", write(tmp_path, text))
+    optim = config.trainer.optim
+    assert (optim.max_grad_norm, optim.betas, optim.schedule, optim.warmup_steps) == (
+        0.3,
+        (0.9, 0.95),
+        "cosine",
+        5,
+    )
+    assert optim.min_lr_ratio == pytest.approx(0.1)  # 2e-7 / 2e-6
+    assert (config.ckpt.interval, config.ckpt.keep, config.ckpt.resume_step, config.ckpt.resume) == (
+        20,
+        3,
+        40,
+        True,
+    )
+    assert config.output_dir == Path("runs/exp1") and config.launch.overwrite is True
+    assert notes == []
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('[orchestrator.algo]\ntype = "max_rl"\n', "orchestrator.algo.type = 'max_rl'"),
+        ("[orchestrator.algo.length_penalty]\nnum_turns_weight = 0.1\n", "length_penalty.num_turns_weight"),
+        ('[trainer.optim]\ntype = "muon"\n', "trainer.optim.type = 'muon'"),
+        ("[trainer.loss]\ndppo_mask_low = 0.1\n", "trainer.loss.dppo_mask_low"),
+        ('[[orchestrator.train.source]]\nenv.taskset = { id = "x" }\nenv.agent.harness = { id = "rlm" }\n',
+         "source[0].env.agent.harness.id = 'rlm'"),
+        ("[orchestrator]\ntoken_batch_size = 4096\n", "orchestrator.token_batch_size"),
+    ],
+)  # fmt: skip
+def test_what_would_change_training_is_refused(tmp_path: Path, text: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        resolve("@", write(tmp_path, text))
+
+
+def test_our_own_keys_are_never_translated(tmp_path: Path) -> None:
+    """``orchestrator.sampling.max_tokens`` is both ours and PRIME-RL's older name: read as ours."""
+    config, notes = resolve("@", write(tmp_path, "[orchestrator.sampling]\nmax_tokens = 9\n"))
+    assert config.orchestrator.sampling.max_tokens == 9 and notes == []
+
+
+def test_entries_of_our_free_form_tables_are_never_translated(tmp_path: Path) -> None:
+    """``inference.vllm.env``'s variables are not vLLM arguments, ``launch.gpus``' names not keys."""
+    text = '[inference.vllm]\nenv = { VLLM_CPU_KVCACHE_SPACE = "1" }\n[launch]\ngpus = { inference = [0] }\n'
+    config, notes = resolve("@", write(tmp_path, text))
+    assert (
+        config.inference.vllm.env == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+        and config.inference.vllm.extra_args == []
+    )
+    assert config.launch.gpus == {"inference": [0]} and notes == []
+
+
+# ---------------------------------------------------------------------------------------- migrate
+
+
+MIGRATABLE = ["reverse-text", "reverse-text-2026-07", "reverse-text-2026-01", "wordle", "hendrycks-sanity",
+              "qwen3-30b-math"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", MIGRATABLE)
+def test_migrated_config_resolves_to_the_same_without_translation(tmp_path: Path, name: str) -> None:
+    text, problems = migrate(["@", str(FIXTURES / f"{name}.toml")])
+    assert problems == []
+    out = tmp_path / "mine.toml"
+    out.write_text(text)
+    migrated, notes = resolve("@", str(out))
+    original, _ = resolve("@", str(FIXTURES / f"{name}.toml"))
+    assert notes == []  # nothing left in PRIME-RL's names
+    assert migrated.model_dump() == original.model_dump()
+
+
+def test_migrate_lists_what_to_edit_and_exits_1(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "prime_composer.launch.rl", "migrate", str(FIXTURES / "alphabet-sort.toml")],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "# TO EDIT before `uv run rl` accepts it:" in done.stdout
+    assert "trainer.model.lora.rank = 32" in done.stderr
+    assert "[orchestrator.sampling]\nmax_tokens = 768" in done.stdout
+
+
+def test_migrate_of_split_files() -> None:
+    text, problems = migrate(SPLIT)
+    assert problems == [] and "[wandb]" in text and "orchestrator.renderer.name" in text
+
+
+def test_docs_list_every_rule() -> None:
+    """docs/prime-rl.md has a row for every key of the table (shared sections once, unprefixed)."""
+    doc = (ROOT / "docs" / "prime-rl.md").read_text()
+    per_process = {r.key for p in ("trainer.", "orchestrator.") for r in _shared_rules(p)}
+    keys = {r.key for r in _shared_rules("")} | {r.key for r in RULES if r.key not in per_process}
+    assert sorted(keys - set(re.findall(r"^\| `([^`]+)` \|", doc, re.MULTILINE))) == []
