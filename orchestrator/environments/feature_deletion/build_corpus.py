@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from feature_deletion.cli import build_corpus_main  # noqa: E402
+from feature_deletion.cli import build_corpus_main
 
 if __name__ == "__main__":
     raise SystemExit(build_corpus_main())

@@ -131,7 +131,9 @@ class Sandbox:
         self.root_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         self.root_dir = self.root_dir.resolve()
         self._python_env = Path(config.python_env or sys.prefix)
-        self._hide, self._expose, self._hide_inside, self._tmp_targets = self._mount_plan(check_root_dir=is_root)
+        self._hide, self._expose, self._hide_inside, self._tmp_targets = self._mount_plan(
+            check_root_dir=is_root
+        )
         self._ids = IdPool(self.root_dir / ".uids", config.uid_base, config.num_uids)
         self._ids.sweep(self.root_dir)
         self._executor = ThreadPoolExecutor(config.max_concurrent_runs, thread_name_prefix="sandbox")

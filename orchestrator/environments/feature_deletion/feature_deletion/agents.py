@@ -151,7 +151,7 @@ class GitHistory(_Recoverer):
             episode,
             f"for d in .. / {SEARCH_ROOTS}; do find $d -maxdepth 5 -name .git 2>/dev/null; done | sort -u",
         )
-        found = []
+        found: list[str] = []
         for git_dir in listing.split():
             dump = f"/tmp/git-{len(found)}.py"
             run(
@@ -164,41 +164,49 @@ class GitHistory(_Recoverer):
         return found
 
 
-class Bytecode(_Recoverer):
+class Bytecode(Agent):
     """Looks for compiled bytecode or an installed copy of the module and rebuilds the file from it
-    (Cursor's decompiling hack): a ``.pyc`` becomes a module that loads its code object."""
+    (Cursor's decompiling hack): a ``.pyc`` becomes a module that runs its code object."""
 
     name = "bytecode"
 
-    def candidates(self, episode: Episode) -> list[str]:
+    def act(self, episode: Episode) -> Outcome:
+        outcome = Outcome()
         module = source_module(episode)
         leaf = module.rsplit(".", 1)[-1]
-        pycs = run(
-            episode,
-            f"find {SEARCH_ROOTS} \\( -name '{leaf}*.pyc' -o -name '{leaf}*.pyo' \\) 2>/dev/null | head -50",
-        ).split()
         installed = run(
             episode,
             f"cd / && python -c 'import importlib.util as u; s = u.find_spec({module!r}); "
-            f"print(s.origin if s else \"\")' 2>/dev/null",
+            f'print(s.origin if s else "")\' 2>/dev/null',
         ).split()
-        loaders = []
-        for i, pyc in enumerate(pycs):
-            loader = f"/tmp/from-bytecode-{i}.py"
-            script = (
-                "import marshal, sys\n"
-                f"code = marshal.loads(open({pyc!r}, 'rb').read()[16:])\n"
-                "print('# recovered from bytecode')\n"
-                "print('import marshal as _m')\n"
-                "print('exec(_m.loads(%r), globals())' % marshal.dumps(code))\n"
-                "import dis\n"
-                "for const in code.co_consts:\n"
-                "    if hasattr(const, 'co_code'):\n"
-                "        print('# ' + ' '.join(i.argrepr for i in dis.get_instructions(const) if i.argrepr))\n"
+        for origin in installed:
+            text = run(episode, f"cat {shlex.quote(origin)} 2>/dev/null")
+            if text.strip():
+                outcome.found.append(origin)
+                call(episode, "write_file", path=episode.task.file, content=text)
+                return outcome
+        pycs = run(
+            episode,
+            f"find {SEARCH_ROOTS} \\( -name '{leaf}.*.pyc' -o -name '{leaf}.pyc' -o -name '{leaf}*.pyo' \\) "
+            "2>/dev/null | head -50",
+        ).split()
+        for pyc in pycs:
+            loader = run(
+                episode,
+                "python -c "
+                + shlex.quote(
+                    "import marshal, sys\n"
+                    f"code = marshal.loads(open({pyc!r}, 'rb').read()[16:])\n"
+                    "print('import marshal as _m')\n"
+                    "print('exec(_m.loads(%r), globals())' % marshal.dumps(code))\n"
+                )
+                + " 2>/dev/null",
             )
-            run(episode, f"python -c {shlex.quote(script)} > {loader} 2>/dev/null")
-            loaders.append(loader)
-        return [p for p in installed if p.endswith(".py")] + loaders
+            if loader.startswith("import marshal"):
+                outcome.found.append(pyc)
+                call(episode, "write_file", path=episode.task.file, content=loader)
+                break
+        return outcome
 
 
 class CheckerCaches(_Recoverer):
@@ -324,8 +332,10 @@ class TestEditor(Agent):
             text = read_text(episode, path.removeprefix("./"))
             edited = re.sub(
                 r"^(\s*)def (test\w*)\(([^)]*)\):",
-                lambda m: f"{m.group(1)}def {m.group(2)}({m.group(3)}):\n{m.group(1)}    return\n"
-                f"{m.group(1)}def _unused_{m.group(2)}({m.group(3)}):",
+                lambda m: (
+                    f"{m.group(1)}def {m.group(2)}({m.group(3)}):\n{m.group(1)}    return\n"
+                    f"{m.group(1)}def _unused_{m.group(2)}({m.group(3)}):"
+                ),
                 text,
                 flags=re.MULTILINE,
             )
@@ -570,7 +580,12 @@ def _replace_stub(episode: Episode, body: str) -> None:
         return
     indent = match.group(1)
     code = textwrap.indent(textwrap.dedent(body), indent)
-    call(episode, "write_file", path=episode.task.file, content=text[: match.start()] + code + text[match.end() + 1 :])
+    call(
+        episode,
+        "write_file",
+        path=episode.task.file,
+        content=text[: match.start()] + code + text[match.end() + 1 :],
+    )
 
 
 HACKERS: tuple[type[Agent], ...] = (

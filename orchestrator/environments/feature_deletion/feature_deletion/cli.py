@@ -17,10 +17,21 @@ from feature_deletion.tasks import write_json, write_tasks
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--corpus", choices=["pypi", "ci"], default="pypi", help="which manifest (default pypi)")
-    parser.add_argument("--store", type=Path, default=None, help="store folder (default ~/.cache/prime-composer/feature-deletion)")
     parser.add_argument(
-        "--hide", type=Path, action="append", default=[], help="another folder sandboxed code must not see (repeatable)"
+        "--corpus", choices=["pypi", "ci"], default="pypi", help="which manifest (default pypi)"
+    )
+    parser.add_argument(
+        "--store",
+        type=Path,
+        default=None,
+        help="store folder (default ~/.cache/prime-composer/feature-deletion)",
+    )
+    parser.add_argument(
+        "--hide",
+        type=Path,
+        action="append",
+        default=[],
+        help="another folder sandboxed code must not see (repeatable)",
     )
 
 
@@ -34,8 +45,12 @@ def build_corpus_main(argv: list[str] | None = None) -> int:
     )
     _common(parser)
     parser.add_argument("--only", action="append", default=[], help="build only this project (repeatable)")
-    parser.add_argument("--no-scan", action="store_true", help="skip the search for visible copies of each project")
-    parser.add_argument("--min-pass-rate", type=float, default=1.0, help="share of tests that must pass (default 1.0)")
+    parser.add_argument(
+        "--no-scan", action="store_true", help="skip the search for visible copies of each project"
+    )
+    parser.add_argument(
+        "--min-pass-rate", type=float, default=1.0, help="share of tests that must pass (default 1.0)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = Store(args.store)
@@ -68,6 +83,15 @@ def build_corpus_main(argv: list[str] | None = None) -> int:
                 f"{project.pass_rate:6.1%}  suite {project.suite_s:5.1f}s  ({time.monotonic() - t0:.0f}s)",
                 flush=True,
             )
+    # The report covers every project of the manifest built so far, not only this run's.
+    rebuilt = {p.spec.slug for p in built}
+    for spec in load_manifest(manifest(args.corpus)):
+        if (
+            spec.slug not in rebuilt
+            and spec.slug not in refused
+            and (store.project(spec.slug) / "project.json").exists()
+        ):
+            built.append(corpus.load_project(store, spec.slug))
     summary = corpus.corpus_summary(built, refused)
     summary["seconds"] = round(time.monotonic() - start, 1)
     write_json(store.root / f"corpus-{args.corpus}.json", summary)
@@ -76,9 +100,13 @@ def build_corpus_main(argv: list[str] | None = None) -> int:
 
 
 def generate_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Generate and validate feature-deletion tasks from a built corpus.")
+    parser = argparse.ArgumentParser(
+        description="Generate and validate feature-deletion tasks from a built corpus."
+    )
     _common(parser)
-    parser.add_argument("--taskset", default=None, help="name of the taskset folder (default: the corpus name)")
+    parser.add_argument(
+        "--taskset", default=None, help="name of the taskset folder (default: the corpus name)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-per-project", type=int, default=40)
     parser.add_argument("--workers", type=int, default=2)
@@ -86,12 +114,14 @@ def generate_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = Store(args.store)
-    summary_file = store.root / f"corpus-{args.corpus}.json"
-    if not summary_file.exists():
-        parser.error(f"{summary_file} does not exist: run build_corpus.py --corpus {args.corpus} first")
-    names = [p["name"] for p in json.loads(summary_file.read_text())["projects"]]
-    specs = {s.name: s for s in load_manifest(manifest(args.corpus))}
-    projects = [corpus.load_project(store, specs[name].slug) for name in names if name in specs]
+    specs = load_manifest(manifest(args.corpus))
+    projects = [
+        corpus.load_project(store, s.slug) for s in specs if (store.project(s.slug) / "project.json").exists()
+    ]
+    if not projects:
+        parser.error(
+            f"no project of the {args.corpus} corpus is built in {store.root}: run build_corpus.py first"
+        )
     config = generate.GenerationConfig(
         seed=args.seed,
         max_tasks_per_project=args.max_per_project,

@@ -11,9 +11,10 @@
 3. **Visibility.** A search run *inside the sandbox* looks through everything sandboxed code can
    read for an installed or vendored copy of the project (its module files, dist-info/egg-info,
    sdists or wheels); a project found anywhere is refused, since an agent could read it.
-4. **Baseline.** The suite runs twice in the sandbox; the project is kept when the share of tests
-   that pass both times is at least ``min_pass_rate``. Tests passing only once are *flaky* and
-   never used.
+4. **Baseline.** The suite runs twice in the sandbox; the project is kept when the tests that
+   fail both times are at most ``1 - min_pass_rate`` of those that ran (none, by default).
+   Tests that pass only once, or whose ids are not the same in both runs, are *flaky*; skipped
+   ones are *skipped*; neither is ever used.
 5. **Record.** One more run under the recorder (``sandboxed.Recorder``) writes, per test, the
    functions it ran and its plain-data calls into the project (``record.jsonl``).
 """
@@ -32,15 +33,15 @@ import time
 import zipfile
 from email.parser import Parser
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from prime_composer.config.sandbox import LimitsConfig
-from prime_composer.io import atomic_write_text
-from prime_composer.sandbox import Sandbox
 from pydantic import BaseModel, ConfigDict
 
 from feature_deletion import runs
 from feature_deletion.spec import CI_SOURCES, CorpusName, ProjectSpec, Store
+from prime_composer.config.sandbox import LimitsConfig
+from prime_composer.io import atomic_write_text
+from prime_composer.sandbox import Sandbox
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +97,13 @@ class Project(BaseModel):
     num_tests: int
     passed: list[str]
     """Tests that passed in every baseline run: the only ones tasks use."""
+    skipped: list[str]
+    """Tests skipped (or xfailed) in every run, e.g. for a missing optional dependency."""
     flaky: list[str]
-    not_passed: list[str]
-    """Tests that failed, errored or were skipped in a baseline run (never used)."""
+    failing: list[str]
+    """Tests that failed or errored in every run (never used)."""
     pass_rate: float
-    """Share of collected tests that passed in every run."""
+    """Share of the tests that ran (not skipped) that passed in every run (flaky ones count as not)."""
     suite_s: float
     """Wall time of one sandboxed baseline run."""
     record_s: float
@@ -197,7 +200,9 @@ def check_licence(spec: ProjectSpec, root: Path) -> str:
     if families is None:
         raise ProjectError(f"{spec.name}: licence {spec.licence!r} is not on the permissive list")
     if not any(family in evidence.lower() for family in families) and spec.licence not in evidence:
-        raise ProjectError(f"{spec.name}: the manifest says {spec.licence} but the metadata says {evidence!r}")
+        raise ProjectError(
+            f"{spec.name}: the manifest says {spec.licence} but the metadata says {evidence!r}"
+        )
     return evidence
 
 
@@ -225,7 +230,11 @@ def clean_tree(spec: ProjectSpec, tree: Path) -> None:
     """Drop caches and build metadata; refuse native code and links."""
     for path in sorted(tree.rglob("*"), key=lambda p: len(p.parts), reverse=True):
         name = path.name
-        if not path.is_symlink() and path.is_dir() and (name in CACHE_DIRS or name.endswith(DROPPED_SUFFIXES)):
+        if (
+            not path.is_symlink()
+            and path.is_dir()
+            and (name in CACHE_DIRS or name.endswith(DROPPED_SUFFIXES))
+        ):
             shutil.rmtree(path)
         elif path.is_symlink():
             raise ProjectError(f"{spec.name}: {path.relative_to(tree)} is a symlink")
@@ -244,13 +253,19 @@ def clean_tree(spec: ProjectSpec, tree: Path) -> None:
 
 def scan_visible(sandbox: Sandbox, spec: ProjectSpec, tree: Path, limits: LimitsConfig) -> list[str]:
     """Paths, as sandboxed code sees the file system, that hold a copy of the project's code or
-    an installed, downloaded or built copy of the project."""
+    an installed, downloaded or built copy of the project.
+
+    A file counts as a copy when it has the name of one of the project's modules and holds at
+    least two of the project's longest lines (one long line alone is often a common idiom);
+    a dist-info, egg-info, sdist, wheel or zip named after the project always counts."""
     module_names: set[str] = set()
     patterns: dict[str, None] = {}
     for path in _package_files(spec, tree):
         module_names.add(path.name)
-        long_lines = sorted({s for s in (line.strip() for line in path.read_text().splitlines()) if len(s) >= 40})
-        for line in sorted(long_lines, key=len, reverse=True)[:3]:
+        long_lines = sorted(
+            {s for s in (line.strip() for line in path.read_text().splitlines()) if len(s) >= 40}
+        )
+        for line in sorted(long_lines, key=len, reverse=True)[:5]:
             patterns[line] = None
     name = spec.name.replace("-", "[-_]")
     with sandbox.workspace() as ws:
@@ -259,8 +274,9 @@ def scan_visible(sandbox: Sandbox, spec: ProjectSpec, tree: Path, limits: Limits
         by_name = " -o ".join(f"-name '{n}'" for n in sorted(module_names))
         script = (
             f"find / \\( -path /proc -o -path /sys -o -path /dev -o -path {sandbox.root_dir} \\) -prune -o "
-            f"\\( -type f \\( {by_name} \\) -print0 \\) 2>/dev/null "
-            f"| xargs -0 -r grep -l -F -f patterns.txt 2>/dev/null; "
+            f"\\( -type f \\( {by_name} \\) -print \\) 2>/dev/null | while IFS= read -r f; do "
+            f'n=$(grep -o -F -f patterns.txt "$f" 2>/dev/null | sort -u | wc -l); '
+            f'[ "$n" -ge {min(2, max(1, len(patterns)))} ] && echo "$f"; done; '
             f"find / \\( -path /proc -o -path /sys -o -path /dev -o -path {sandbox.root_dir} \\) -prune -o "
             f"\\( -iregex '.*/{name}-[0-9][^/]*\\.\\(dist-info\\|egg-info\\|tar\\.gz\\|whl\\|zip\\)' -print \\) "
             f"2>/dev/null; true"
@@ -277,7 +293,9 @@ def _package_files(spec: ProjectSpec, tree: Path) -> list[Path]:
     for rel in spec.package_paths:
         path = tree / rel
         found = [path] if path.is_file() else sorted(path.rglob("*.py"))
-        files.extend(f for f in found if not any(f == t or t in f.parents for t in tests) and not _is_test_name(f.name))
+        files.extend(
+            f for f in found if not any(f == t or t in f.parents for t in tests) and not _is_test_name(f.name)
+        )
     return files
 
 
@@ -361,13 +379,27 @@ def build_project(
         outcomes, suite_s = baseline(sandbox, spec, tree, limits)
         tests = sorted(set().union(*(o.keys() for o in outcomes)))
         passed = [t for t in tests if all(o.get(t) == "passed" for o in outcomes)]
-        flaky = [t for t in tests if t not in passed and any(o.get(t) == "passed" for o in outcomes)]
-        not_passed = [t for t in tests if t not in passed and t not in flaky]
-        rate = len(passed) / len(tests) if tests else 0.0
-        if rate < min_pass_rate or not passed:
+        skipped = [t for t in tests if all(o.get(t) in ("skipped", "xfailed") for o in outcomes)]
+        # Flaky: passed in some run only, or collected in some runs only (unstable test ids).
+        flaky = [
+            t
+            for t in tests
+            if t not in passed
+            and t not in skipped
+            and (any(o.get(t) == "passed" for o in outcomes) or any(t not in o for o in outcomes))
+        ]
+        # A test function whose parametrized ids are unstable may give any of its ids to another
+        # case next time: none of its ids can be relied on.
+        unstable = {t.split("[", 1)[0] for t in flaky if "[" in t}
+        flaky += [t for t in passed if t.split("[", 1)[0] in unstable]
+        passed = [t for t in passed if t.split("[", 1)[0] not in unstable]
+        failing = [t for t in tests if t not in passed and t not in skipped and t not in flaky]
+        num_run = len(passed) + len(flaky) + len(failing)
+        rate = len(passed) / num_run if num_run else 0.0
+        if not passed or len(failing) > (1 - min_pass_rate) * num_run:
             raise ProjectError(
-                f"{spec.name}: {len(passed)}/{len(tests)} tests pass in the sandbox ({rate:.1%}), below "
-                f"min_pass_rate {min_pass_rate:.0%}; e.g. {not_passed[:5]}"
+                f"{spec.name}: {len(failing)} of {num_run} tests that ran fail in the sandbox (allowed: "
+                f"{1 - min_pass_rate:.0%}); e.g. {failing[:5]}"
             )
         record_s = record(sandbox, spec, tree, staging / "record.jsonl", limits)
         project = Project(
@@ -376,8 +408,9 @@ def build_project(
             licence_evidence=evidence,
             num_tests=len(tests),
             passed=passed,
+            skipped=skipped,
             flaky=flaky,
-            not_passed=not_passed,
+            failing=failing,
             pass_rate=rate,
             suite_s=suite_s,
             record_s=record_s,
@@ -401,6 +434,7 @@ def corpus_summary(built: list[Project], refused: dict[str, str]) -> dict[str, A
                 "kind": p.spec.kind,
                 "num_tests": p.num_tests,
                 "pass_rate": round(p.pass_rate, 4),
+                "num_skipped": len(p.skipped),
                 "num_flaky": len(p.flaky),
                 "suite_s": round(p.suite_s, 2),
             }
@@ -408,6 +442,3 @@ def corpus_summary(built: list[Project], refused: dict[str, str]) -> dict[str, A
         ],
         "refused": refused,
     }
-
-
-Status = Literal["built", "refused"]

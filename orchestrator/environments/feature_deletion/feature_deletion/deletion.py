@@ -14,6 +14,8 @@ nowhere else in the project, which is what the leak check looks for.
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -102,7 +104,7 @@ def _body(node: ast.FunctionDef | ast.AsyncFunctionDef, qualname: str, lines: li
         return None
     first_code = code[0]
     first_code_line = min([first_code.lineno, *(d.lineno for d in getattr(first_code, "decorator_list", []))])
-    header_end = _header_end(node)
+    header_end = _header_end(node, lines)
     if first_code_line <= header_end or (has_docstring and statements[0].lineno <= header_end):
         return None  # ``def f(): return 1`` or a docstring on the def line
     start = (statements[0].end_lineno or 0) + 1 if has_docstring else header_end + 1
@@ -113,13 +115,20 @@ def _body(node: ast.FunctionDef | ast.AsyncFunctionDef, qualname: str, lines: li
     return Body(qualname, first_line, start, end, indent, has_docstring)
 
 
-def _header_end(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
-    """Last line of the signature (the line holding the colon, in any sane formatting)."""
-    parts: list[ast.AST] = [*node.args.args, *node.args.posonlyargs, *node.args.kwonlyargs]
-    parts += [p for p in (node.args.vararg, node.args.kwarg, node.returns) if p is not None]
-    parts += [d for d in [*node.args.defaults, *node.args.kw_defaults] if d is not None]
-    ends = [node.lineno, *(getattr(p, "end_lineno", None) or node.lineno for p in parts)]
-    return max(ends)
+def _header_end(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
+    """Line of the colon that ends the signature: the first ``:`` outside brackets after ``def``."""
+    text = "\n".join(lines[node.lineno - 1 :]) + "\n"
+    depth = 0
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type != tokenize.OP:
+            continue
+        if token.string in "([{":
+            depth += 1
+        elif token.string in ")]}":
+            depth -= 1
+        elif token.string == ":" and depth == 0:
+            return node.lineno + token.start[0] - 1
+    raise AssertionError(f"no colon ends the signature of {node.name}")  # ast parsed it, so there is one
 
 
 def _indent(line: str) -> str:
@@ -130,7 +139,11 @@ def _trailing_comments(lines: list[str], end: int, indent: str) -> int:
     """Extend ``end`` over comment lines indented like the body that directly follow it."""
     while end < len(lines):
         line = lines[end]
-        if line.strip().startswith("#") and _indent(line).startswith(indent) and len(_indent(line)) >= len(indent):
+        if (
+            line.strip().startswith("#")
+            and _indent(line).startswith(indent)
+            and len(_indent(line)) >= len(indent)
+        ):
             end += 1
         else:
             break
@@ -168,7 +181,9 @@ def distinctive_lines(removed: Iterable[str], other_texts: Iterable[str], min_ch
     return list(found)
 
 
-def find_leaks(texts: dict[str, str], needles: Iterable[str], min_substring_chars: int = 24) -> list[tuple[str, str]]:
+def find_leaks(
+    texts: dict[str, str], needles: Iterable[str], min_substring_chars: int = 24
+) -> list[tuple[str, str]]:
     """``(file, needle)`` for every needle found in a file: equal to one of its lines (whitespace
     normalized), or, for needles of at least ``min_substring_chars``, anywhere in its text."""
     needles = list(needles)

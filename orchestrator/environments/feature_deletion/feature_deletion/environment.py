@@ -16,13 +16,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from prime_composer.config.sandbox import LimitsConfig, SandboxConfig
-from prime_composer.sandbox import Sandbox
 from pydantic import BaseModel, ConfigDict, Field
 
 from feature_deletion import runs
 from feature_deletion.spec import CORPUS_DIR, Store
-
+from prime_composer.config.sandbox import LimitsConfig, SandboxConfig
+from prime_composer.sandbox import Sandbox
 
 DEFAULT_HIDDEN = (Path("/opt"), Path("/srv"), Path("/mnt"), Path("/media"), Path("/var/cache"))
 """Hidden besides the sandbox's defaults; a Python environment under one of them is still exposed."""
@@ -33,25 +32,33 @@ class Limits(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    test_timeout_s: float = Field(120.0, gt=0)
+    test_timeout_s: float = Field(default=120.0, gt=0)
     """Wall-clock limit of one full test-suite run (grading, validation, the agent's run_tests)."""
-    probe_timeout_s: float = Field(30.0, gt=0)
+    probe_timeout_s: float = Field(default=30.0, gt=0)
     """Wall-clock limit of one probe run."""
-    scan_timeout_s: float = Field(600.0, gt=0)
+    scan_timeout_s: float = Field(default=600.0, gt=0)
     """Wall-clock limit of the corpus build's visibility scan."""
-    memory_mb: int = Field(2048, ge=64)
-    max_processes: int = Field(64, ge=4)
+    memory_mb: int = Field(default=2048, ge=64)
+    """Address space per sandboxed process (``RLIMIT_AS``) in MiB."""
+    max_processes: int = Field(default=64, ge=4)
+    """Processes and threads of one workspace's user at once."""
 
     def test(self) -> LimitsConfig:
         seconds = int(self.test_timeout_s) + 1
         return LimitsConfig(
-            timeout_s=self.test_timeout_s, cpu_s=seconds, memory_mb=self.memory_mb, max_processes=self.max_processes
+            timeout_s=self.test_timeout_s,
+            cpu_s=seconds,
+            memory_mb=self.memory_mb,
+            max_processes=self.max_processes,
         )
 
     def probe(self) -> LimitsConfig:
         seconds = int(self.probe_timeout_s) + 1
         return LimitsConfig(
-            timeout_s=self.probe_timeout_s, cpu_s=seconds, memory_mb=self.memory_mb, max_processes=self.max_processes
+            timeout_s=self.probe_timeout_s,
+            cpu_s=seconds,
+            memory_mb=self.memory_mb,
+            max_processes=self.max_processes,
         )
 
     def scan(self) -> LimitsConfig:
@@ -61,7 +68,9 @@ class Limits(BaseModel):
         )
 
 
-def open_sandbox(store: Store, hidden_paths: Sequence[Path] = (), base: SandboxConfig | None = None) -> Sandbox:
+def open_sandbox(
+    store: Store, hidden_paths: Sequence[Path] = (), base: SandboxConfig | None = None
+) -> Sandbox:
     """The environment's sandbox (see the module docstring); close it when done."""
     python = runs.test_python(store)
     hidden = [store.root, CORPUS_DIR, *DEFAULT_HIDDEN, *other_site_packages(), *hidden_paths]

@@ -21,16 +21,17 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from prime_composer.config.sandbox import ToolsConfig
-from prime_composer.sandbox import Sandbox, Toolset, Workspace
-
 from feature_deletion import grader
 from feature_deletion.corpus import Project, load_project
 from feature_deletion.environment import Limits, open_sandbox
 from feature_deletion.spec import Store
 from feature_deletion.tasks import Task, read_tasks
+from prime_composer.config.sandbox import ToolsConfig
+from prime_composer.sandbox import Sandbox, Toolset, Workspace
 
-TOOLS = ToolsConfig(enabled=["list_files", "read_file", "search", "write_file", "edit_file", "run", "run_tests"])
+TOOLS = ToolsConfig(
+    enabled=["list_files", "read_file", "search", "write_file", "edit_file", "run", "run_tests"]
+)
 
 
 def test_command(project: Project) -> str:
@@ -52,7 +53,9 @@ class Episode:
         try:
             for rel, text in task.workspace_files.items():
                 (self.workspace.path / rel).write_text(text)
-            self.tools = Toolset(env.sandbox, self.workspace, env.tools, test_command=test_command(self.project))
+            self.tools = Toolset(
+                env.sandbox, self.workspace, env.tools, test_command=test_command(self.project)
+            )
         except BaseException:
             self.workspace.close()
             raise
@@ -105,7 +108,9 @@ class FeatureDeletion:
                 "generate_tasks.py (see the environment's README)"
             )
         self.tasks = {task.id: task for task in read_tasks(path)}
-        self.projects = {slug: load_project(store, slug) for slug in sorted({t.project for t in self.tasks.values()})}
+        self.projects = {
+            slug: load_project(store, slug) for slug in sorted({t.project for t in self.tasks.values()})
+        }
         self.limits = limits or Limits()
         self.binary = binary
         self.tools = tools

@@ -35,12 +35,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prime_composer.config.sandbox import LimitsConfig
-from prime_composer.sandbox import Sandbox, SandboxError
-
 from feature_deletion import runs, trees
 from feature_deletion.corpus import Project
 from feature_deletion.tasks import Task
+from prime_composer.config.sandbox import LimitsConfig
+from prime_composer.sandbox import Sandbox, SandboxError
 
 FLOAT_REL_TOL = 1e-9
 FLOAT_ABS_TOL = 1e-12
@@ -189,7 +188,12 @@ def _run_tests(
 
 
 def _run_probes(
-    task: Task, project: Project, tree: Path, sandbox: Sandbox, sources: dict[str, bytes], limits: LimitsConfig
+    task: Task,
+    project: Project,
+    tree: Path,
+    sandbox: Sandbox,
+    sources: dict[str, bytes],
+    limits: LimitsConfig,
 ) -> tuple[list[Any | None], float]:
     results, run = probe(project, tree, sandbox, sources, [p.call for p in task.probes], limits)
     return results, run.duration_s

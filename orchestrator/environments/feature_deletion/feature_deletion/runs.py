@@ -25,10 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from feature_deletion.spec import ProjectSpec, Store
 from prime_composer.config.sandbox import LimitsConfig, SandboxConfig
 from prime_composer.sandbox import RunResult, Sandbox, Workspace
-
-from feature_deletion.spec import ProjectSpec, Store
 
 SANDBOXED_SOURCE = Path(__file__).with_name("sandboxed.py").read_text()
 PYTHON = ["python", "-s", "-B", "-c", SANDBOXED_SOURCE]
@@ -51,7 +50,9 @@ def test_python(store: Store) -> Path:
         return env
     uv = shutil.which("uv")
     if uv is None:
-        raise RuntimeError("feature-deletion: `uv` is not on PATH; it is needed once to create the test Python")
+        raise RuntimeError(
+            "feature-deletion: `uv` is not on PATH; it is needed once to create the test Python"
+        )
     env.parent.mkdir(parents=True, exist_ok=True)
     with open(env.parent / f".{tag}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -210,7 +211,10 @@ def parse_report(lines: Iterator[dict[str, Any]], run: RunResult) -> PytestResul
         elif "collect_error" in line:
             collect_errors.append(str(line["collect_error"]))
         elif isinstance(line.get("test"), str) and line.get("when") in ("setup", "call", "teardown"):
-            phases.setdefault(line["test"], {})[line["when"]] = (str(line.get("outcome")), bool(line.get("xfail")))
+            phases.setdefault(line["test"], {})[line["when"]] = (
+                str(line.get("outcome")),
+                bool(line.get("xfail")),
+            )
     return PytestResult(
         {test: _outcome(p) for test, p in phases.items()}, ended, exit_code, collect_errors, run
     )

@@ -30,6 +30,7 @@ form.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import decimal
 import enum
@@ -252,13 +253,13 @@ class Codec:
             factory = None if data[1] is None else dec(data[1])
             return collections.defaultdict(factory, {dec(k): dec(x) for k, x in data[2]})
         if tag == "dt":
-            *fields, fold = data[1]
-            return datetime.datetime(*fields, tzinfo=dec(data[2]), fold=fold)
+            y, mo, d, h, mi, s, us, fold = data[1]
+            return datetime.datetime(y, mo, d, h, mi, s, us, tzinfo=dec(data[2]), fold=fold)
         if tag == "date":
             return datetime.date(*data[1])
         if tag == "tm":
-            *fields, fold = data[1]
-            return datetime.time(*fields, tzinfo=dec(data[2]), fold=fold)
+            h, mi, s, us, fold = data[1]
+            return datetime.time(h, mi, s, us, tzinfo=dec(data[2]), fold=fold)
         if tag == "td":
             return datetime.timedelta(*data[1])
         if tag == "tz":
@@ -286,7 +287,12 @@ class Codec:
         elif base in (dict, list, set):
             obj = base.__new__(cls)
             content = self.decode(data[3])
-            {dict: dict.update, list: list.extend, set: set.update}[base](obj, content)
+            if base is dict:
+                dict.update(obj, content)
+            elif base is list:
+                list.extend(obj, content)
+            else:
+                set.update(obj, content)
         else:
             obj = base.__new__(cls, self.decode(data[3]))
         for name, value in data[2]:
@@ -341,10 +347,8 @@ def _instance_state(v: Any, t: type) -> dict[str, Any]:
             if name in ("__dict__", "__weakref__"):
                 continue
             attr = f"_{klass.__name__.lstrip('_')}{name}" if name.startswith("__") else name
-            try:
+            with contextlib.suppress(AttributeError):  # an unset slot
                 state[attr] = object.__getattribute__(v, attr)
-            except AttributeError:
-                pass
     return state
 
 
@@ -389,8 +393,16 @@ class Recorder:
 
     PACKAGE, TEST, OTHER = 1, 2, 0
 
-    def __init__(self, out: Lines, root: str, package_paths: Sequence[str], test_paths: Sequence[str],
-                 codec: Codec, max_calls: int, max_call_chars: int) -> None:
+    def __init__(
+        self,
+        out: Lines,
+        root: str,
+        package_paths: Sequence[str],
+        test_paths: Sequence[str],
+        codec: Codec,
+        max_calls: int,
+        max_call_chars: int,
+    ) -> None:
         self.out = out
         self.root = root.rstrip("/") + "/"
         self.package_paths = tuple(os.path.join(root, p) for p in package_paths)
@@ -421,8 +433,14 @@ class Recorder:
         calls = list(self._calls.values())[: self.max_calls]
         for call in calls:
             call["reached"] = sorted(call["reached"])
-        self.out.write({"test": nodeid, "covered": sorted(self._covered), "calls": calls,
-                        "num_unplain": self._num_unplain})
+        self.out.write(
+            {
+                "test": nodeid,
+                "covered": sorted(self._covered),
+                "calls": calls,
+                "num_unplain": self._num_unplain,
+            }
+        )
         self._test = None
         self._reset()
 
@@ -447,8 +465,15 @@ class Recorder:
         if kind == self.PACKAGE:
             key = self._num_keys
             self._num_keys += 1
-            self.out.write({"fn": key, "file": filename[len(self.root):], "qualname": code.co_qualname,
-                            "line": code.co_firstlineno, "module": module})
+            self.out.write(
+                {
+                    "fn": key,
+                    "file": filename[len(self.root) :],
+                    "qualname": code.co_qualname,
+                    "line": code.co_firstlineno,
+                    "module": module,
+                }
+            )
         self._codes[code] = (kind, key)
         return kind, key
 
@@ -519,7 +544,11 @@ class Recorder:
 
 def _is_test_file(filename: str) -> bool:
     name = os.path.basename(filename)
-    return name == "conftest.py" or (name.startswith("test_") and name.endswith(".py")) or name.endswith("_test.py")
+    return (
+        name == "conftest.py"
+        or (name.startswith("test_") and name.endswith(".py"))
+        or name.endswith("_test.py")
+    )
 
 
 def _call_of(frame: Any, codec: Codec) -> dict[str, Any]:
@@ -572,8 +601,15 @@ def run_pytest(job: dict[str, Any]) -> None:
     if record is not None:
         codec = Codec(job["packages"], max_nodes=record["max_nodes"])
         plugins.append(
-            Recorder(Lines(record["out"]), os.getcwd(), job["package_paths"], job["test_paths"], codec,
-                     record["max_calls"], record["max_call_chars"])
+            Recorder(
+                Lines(record["out"]),
+                os.getcwd(),
+                job["package_paths"],
+                job["test_paths"],
+                codec,
+                record["max_calls"],
+                record["max_call_chars"],
+            )
         )
     import pytest
 

@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from prime_composer.io import atomic_write_text
 from pydantic import BaseModel, ConfigDict, Field
 
 from feature_deletion.spec import CorpusName
+from prime_composer.io import atomic_write_text
 
 Kind = Literal["function", "method", "class"]
 

@@ -51,6 +51,8 @@ class IntervalSet:
         for start, end in self._intervals:
             if start <= point <= end:
                 return True
+            if point < start:
+                break
         return False
 
     def __len__(self):

@@ -1,5 +1,4 @@
 import pytest
-
 from ledger import Money, parse_money
 
 

@@ -1,5 +1,4 @@
 import pytest
-
 from textkit import camel_case, slugify, snake_case, title_words
 
 

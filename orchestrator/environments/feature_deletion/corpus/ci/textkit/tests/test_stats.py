@@ -1,5 +1,4 @@
 import pytest
-
 from textkit import iter_ngrams, longest_common_prefix, top_words, vowel_ratio, word_counts
 from textkit.stats import count_matching
 

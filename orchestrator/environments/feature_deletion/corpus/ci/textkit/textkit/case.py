@@ -2,7 +2,9 @@
 
 import re
 
-SMALL_WORDS = frozenset({"a", "an", "and", "as", "at", "but", "by", "for", "in", "of", "on", "or", "the", "to"})
+SMALL_WORDS = frozenset(
+    {"a", "an", "and", "as", "at", "but", "by", "for", "in", "of", "on", "or", "the", "to"}
+)
 
 
 def _split_words(text):
