@@ -1,34 +1,25 @@
-"""Benchmark: fraction of wall time the trainer waits for data, at ``max_async_level`` 0, 1 and 2.
+"""Benchmark: how much of the rollout/train overlap asynchrony buys, end to end.
 
-Runs the real pipeline (``rl``: SFT warm-up, then inference server, orchestrator and trainer
-processes) on ``configs/quickstart.toml``, shrunk to ``--max-steps`` RL steps, once per async
-level, one after the other, each in a fresh output directory under a temporary folder and on a
-free loopback port. From each run's
-``metrics/trainer.jsonl``:
+Runs the real pipeline (``rl``: inference server, orchestrator and trainer processes) twice on the
+same workload, at ``max_async_level`` 0 and 2, and measures the wall time per step of each
+(``T0``, ``T2``, from the trainer's metric timestamps, warm-up steps excluded) and the two stage
+times of the on-policy run: ``t_rollout`` (the orchestrator waiting for a step's rollouts,
+``time/rollout_s``, less the part of it spent waiting for the step's weights) and ``t_train`` (the trainer's step plus publishing the weights,
+``time/step_total_s - time/wait_data_s``). On-policy the stages run one after the other, so
+``T0 ~ t_rollout + t_train``; perfect overlap would bring a step down to ``max(t_rollout, t_train)``.
+The last line is
 
-    idle = sum(time/wait_data_s) / sum(time/step_total_s)     over steps 1.. (step 0 waits for
-                                                              the first rollouts: start-up, not
-                                                              steady state)
+    overlap_efficiency = (T0 - T2) / (T0 - max(t_rollout, t_train))        (target >= 0.8)
 
-``time/wait_data_s`` is the time the trainer blocked in ``receive`` for the step's batch and
-``time/step_total_s`` the whole step (wait + train + weight publish). The table also gives the mean
-step wall time, which shows the throughput gain of overlap even when the trainer is mostly idle,
-and the rollouts generated per step (``samples/generated`` of the orchestrator): dynamic sampling
-resamples groups whose rewards are all equal, so a run whose policy scores worse samples more and
-waits longer, whatever its async level.
-Evaluation is off by default (``--eval-interval 0``): with only a few steps, one evaluation's
-extra rollouts would dominate the waits of the step it lands on. The SFT warm-up keeps the
-quickstart's length by default: it costs seconds, and a shorter one (e.g. 20 steps) leaves the
-reward near 0, so dynamic sampling throws away almost every group and the orchestrator samples
-~7x more rollouts per step, which measures the resampling loop rather than the overlap.
+The workload balances the two stages (within a factor of 2; the table says how close): the
+arithmetic environment without warm-up or evaluation, dynamic sampling off (every step samples the
+same number of rollouts), and a Qwen3 built offline large enough that a train step costs about as
+much as a step's rollouts (``--hidden``/``--layers``; rollouts are dominated by per-rollout work
+in the orchestrator, train steps by the model). Both sides get one torch thread, so on a 2-core
+machine they can really run side by side.
 
-The last line is ``idle_async0=A idle_async2=B``. Each run takes ~2-4 min on 2 shared cores
-(start-up ~1.5 min: SFT data, model loads, imports).
-
-Run::
-
-    uv run python bench/async.py
-    uv run python bench/async.py --levels 0,2 --max-steps 10 --keep-outputs
+    uv run python bench/async.py                       # ~4 min
+    uv run python bench/async.py --hidden 384 --max-steps 12 --keep-outputs
 """
 
 from __future__ import annotations
@@ -37,13 +28,12 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,15 +46,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def rl_command(args: argparse.Namespace, level: int, output_dir: Path) -> list[str]:
-    # ``rl`` sits next to the interpreter in the project's virtual environment.
+def build_model(args: argparse.Namespace) -> Path:
+    from prime_composer.model.tiny import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(
+        hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers
+    )
+    return build_tiny_model(spec)
+
+
+def run(args: argparse.Namespace, model: Path, level: int, output_dir: Path) -> None:
     rl = Path(sys.executable).parent / "rl"
-    if not rl.is_file():
-        raise SystemExit(f"bench: {rl} not found; run with the project's environment (`uv run python ...`)")
-    return [
+    command = [
         str(rl),
         "@",
         str(CONFIG),
+        "--model.name",
+        str(model),
+        "--no-warmup.enabled",
         "--max-steps",
         str(args.max_steps),
         "--max-async-level",
@@ -74,119 +73,86 @@ def rl_command(args: argparse.Namespace, level: int, output_dir: Path) -> list[s
         "--inference.port",
         str(free_port()),
         "--orchestrator.eval.interval",
-        str(args.eval_interval),
+        "0",
+        "--no-orchestrator.advantage.dynamic-sampling",
+        "--orchestrator.batch-size",
+        str(args.batch_size),
+        "--ckpt.interval",
+        "0",
+        "--no-ckpt.at-end",
         "--launch.overwrite",
         "--no-launch.progress",
-        *([] if args.warmup_steps is None else ["--warmup.max-steps", str(args.warmup_steps)]),
-        *args.extra,
     ]
-
-
-def run_level(args: argparse.Namespace, level: int, root: Path) -> dict[str, Any]:
-    """Run the pipeline at one async level; returns the idle fraction and timings."""
-    output_dir = root / f"async{level}"
-    log_path = root / f"async{level}.log"
-    began = time.monotonic()
-    with log_path.open("w") as log:
-        # Own session: on the way out we can stop rl (which stops its children) and, failing that,
-        # its whole process group, without touching anything else.
-        proc = subprocess.Popen(
-            rl_command(args, level, output_dir),
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            returncode = proc.wait(timeout=args.timeout_s)
-        except BaseException:  # timeout, Ctrl-C: never leave the pipeline running
-            stop(proc)
-            raise
-    wall_s = time.monotonic() - began
-    if returncode != 0:
-        tail = "".join(log_path.read_text().splitlines(keepends=True)[-20:])
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
         raise SystemExit(
-            f"bench: rl at max_async_level={level} exited with {returncode}; log {log_path}:\n{tail}"
+            f"bench: rl at max_async_level {level} failed:\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
         )
 
-    rows = [json.loads(line) for line in (output_dir / "metrics" / "trainer.jsonl").read_text().splitlines()]
-    steady = [r for r in rows if r["step"] > 0]
-    if not steady:
-        raise SystemExit(f"bench: no trainer step after step 0 in {output_dir}; raise --max-steps")
-    # Rollouts the orchestrator generated per step: dynamic sampling resamples zero-variance
-    # groups, so this varies between runs with the reward and explains most of the wait.
-    orch = [
-        json.loads(line) for line in (output_dir / "metrics" / "orchestrator.jsonl").read_text().splitlines()
-    ]
-    generated = [r["samples/generated"] for r in orch if r["step"] > 0 and "samples/generated" in r]
-    wait_s = sum(r["time/wait_data_s"] for r in steady)
-    total_s = sum(r["time/step_total_s"] for r in steady)
-    return {
-        "level": level,
-        "num_steps": len(steady),
-        "wait_s": wait_s,
-        "total_s": total_s,
-        "train_s": sum(r["time/step_s"] for r in steady),
-        "idle": wait_s / total_s,
-        "mean_step_s": total_s / len(steady),
-        "generated_per_step": sum(generated) / max(1, len(generated)),
-        "wall_s": wall_s,
-    }
+
+def read(output_dir: Path, process: str) -> list[dict[str, Any]]:
+    lines = (output_dir / "metrics" / f"{process}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM rl (it stops its children), then SIGKILL its process group if it hangs."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+def step_time(output_dir: Path, skip: int) -> float:
+    """Mean wall time per step from the trainer's record timestamps, after ``skip`` steps."""
+    times = [r["time"] for r in read(output_dir, "trainer")]
+    if len(times) < skip + 2:
+        raise SystemExit(f"bench: {output_dir} has {len(times)} trainer steps; raise --max-steps")
+    return (times[-1] - times[skip]) / (len(times) - 1 - skip)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--levels", default="0,1,2", help="comma-separated max_async_level values")
-    parser.add_argument("--max-steps", type=int, default=8, help="RL steps per run")
-    parser.add_argument(
-        "--warmup-steps", type=int, default=None, help="SFT warm-up steps per run (default: the quickstart's)"
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--eval-interval", type=int, default=0, help="orchestrator.eval.interval (0 = off)")
-    parser.add_argument("--timeout-s", type=float, default=900, help="give up on one run after this long")
-    parser.add_argument("--keep-outputs", action="store_true", help="keep the run directories and logs")
-    parser.add_argument("extra", nargs="*", help="more rl overrides, after `--`")
+    parser.add_argument("--max-steps", type=int, default=10)
+    parser.add_argument("--skip", type=int, default=2, help="first steps left out (start-up)")
+    parser.add_argument("--batch-size", type=int, default=64, help="rollouts per step")
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size of the benchmark model")
+    parser.add_argument("--layers", type=int, default=6, help="decoder layers of the benchmark model")
+    parser.add_argument("--keep-outputs", action="store_true")
     args = parser.parse_args()
-    levels = [int(x) for x in args.levels.split(",") if x]
 
+    model = build_model(args)
     root = Path(tempfile.mkdtemp(prefix="bench-async-"))
-    results = []
     try:
-        for level in levels:
-            result = run_level(args, level, root)
-            results.append(result)
+        outputs = {}
+        for level in (0, 2):
+            outputs[level] = root / f"async{level}"
+            run(args, model, level, outputs[level])
+        skip = args.skip
+        on_policy_trainer = read(outputs[0], "trainer")[skip:]
+        on_policy_orchestrator = read(outputs[0], "orchestrator")[skip:]
+        # On-policy the orchestrator's wait for a step's groups includes waiting for its weights.
+        t_rollout = fmean(r["time/rollout_s"] - r["time/wait_weights_s"] for r in on_policy_orchestrator)
+        t_train = fmean(r["time/step_total_s"] - r["time/wait_data_s"] for r in on_policy_trainer)
+        t0, t2 = step_time(outputs[0], skip), step_time(outputs[2], skip)
+        lag = fmean(r.get("async/policy_lag", 0.0) for r in read(outputs[2], "orchestrator")[skip:])
+        bound = max(t_rollout, t_train)
+        balance = max(t_rollout, t_train) / min(t_rollout, t_train)
+        load = Path("/proc/loadavg").read_text().split()[:3]
+        print(
+            f"model hidden {args.hidden} x {args.layers} layers, {args.batch_size} rollouts/step, steps {skip}.., "
+            f"load average {' '.join(load)} (3 CPU-bound processes share {os.cpu_count()} cores when overlapping)"
+        )
+        print(f"{'':28s} {'seconds':>8s}")
+        print(f"{'t_rollout (async 0)':28s} {t_rollout:8.2f}")
+        print(f"{'t_train (async 0)':28s} {t_train:8.2f}   stages within x{balance:.2f} of each other")
+        print(f"{'T0 step, max_async_level 0':28s} {t0:8.2f}")
+        print(f"{'T2 step, max_async_level 2':28s} {t2:8.2f}   mean policy lag {lag:.2f}")
+        print(f"{'bound max(t_rollout, t_train)':28s} {bound:8.2f}")
+        if balance > 2:
             print(
-                f"max_async_level={level}: idle {result['idle']:.3f} over {result['num_steps']} steps "
-                f"({result['wall_s']:.0f} s)",
-                flush=True,
+                f"warning: the stages differ by x{balance:.2f} (> 2): adjust --hidden/--layers/--batch-size"
             )
+        print(f"overlap_efficiency={(t0 - t2) / (t0 - bound):.3f}")
     finally:
         if args.keep_outputs:
             print(f"outputs kept in {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
-
-    print(f"\nquickstart, {args.max_steps} RL steps (step 0 excluded), sums over steps")
-    header = f"{'level':>5}{'steps':>6}{'wait s':>9}{'train s':>9}{'total s':>9}{'idle':>7}{'s/step':>8}"
-    print(header + f"{'rollouts/step':>14}{'run s':>7}")
-    for r in results:
-        print(
-            f"{r['level']:>5}{r['num_steps']:>6}{r['wait_s']:>9.1f}{r['train_s']:>9.1f}{r['total_s']:>9.1f}"
-            f"{r['idle']:>7.3f}{r['mean_step_s']:>8.2f}{r['generated_per_step']:>14.0f}{r['wall_s']:>7.0f}"
-        )
-    idle = {r["level"]: r["idle"] for r in results}
-    print(" ".join(f"idle_async{level}={idle[level]:.3f}" for level in (0, 2) if level in idle))
 
 
 if __name__ == "__main__":

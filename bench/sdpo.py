@@ -110,15 +110,18 @@ def build_case(args: argparse.Namespace, case: str) -> Callable[[], None]:
     from prime_composer.config.loss import LossConfig, SDPOLossConfig
     from prime_composer.config.optim import OptimConfig
     from prime_composer.orchestrator.packing import pack_step
+    from prime_composer.orchestrator.sdpo.packing import SDPOPacker
+    from prime_composer.trainer.losses.base import TermContext, build_terms
     from prime_composer.trainer.optim import build_optimizer, clip_grad_norm
-    from prime_composer.trainer.teacher import TeacherModel
-    from prime_composer.trainer.train import train_step
+    from prime_composer.trainer.step import train_step
 
     device = torch.device(args.device)
     weight, fraction = CASES[case]
     shape = PRESETS[args.preset]
     samples = make_samples(args, fraction, shape["vocab_size"])
-    (micro_batches,), _ = pack_step(samples, args.seq_len, args.micro_batch_size, 1, pad_token_id=0)
+    (micro_batches,), _ = pack_step(
+        samples, args.seq_len, args.micro_batch_size, 1, pad_token_id=0, packers=[SDPOPacker()]
+    )
     torch.manual_seed(0)
     config = Qwen3Config(
         **shape, max_position_embeddings=max(1024, 2 * args.seq_len), tie_word_embeddings=True
@@ -128,23 +131,23 @@ def build_case(args: argparse.Namespace, case: str) -> Callable[[], None]:
     model.config._attn_implementation = "sdpa"
     model.train()
     loss_cfg = LossConfig(sdpo=SDPOLossConfig(weight=weight, teacher=args.teacher))
-    teacher = TeacherModel(model, loss_cfg.sdpo) if weight > 0 else None
+    context = TermContext(model)
+    terms = build_terms(loss_cfg, context)  # weight 0: no SDPO term, no teacher copy
     optimizer, _ = build_optimizer(model, OptimConfig(lr=1e-5), 10_000)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        train_step(model, micro_batches, loss_cfg, device, teacher=teacher)
+        train_step(model, micro_batches, terms, device)
         clip_grad_norm(model, 1.0)
         optimizer.step()
-        if teacher is not None:
-            teacher.update(model)
+        context.after_optimizer_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    num_hinted = sum(s.sdpo_span is not None for s in samples)
+    num_hinted = sum(s.sdpo is not None for s in samples)
     step.info = (  # type: ignore[attr-defined]
         f"hinted {num_hinted}/{len(samples)}, teacher rows "
-        f"{sum(mb.teacher_input_ids.shape[0] for mb in micro_batches)}, student rows "
+        f"{sum(g.teacher_input_ids.shape[0] for mb in micro_batches if (g := mb.groups.get('sdpo')) is not None)}, student rows "
         f"{sum(mb.input_ids.shape[0] for mb in micro_batches)}"
     )
     return step

@@ -64,9 +64,10 @@ from prime_composer.config.loss import LossConfig, RLLossConfig
 from prime_composer.config.optim import OptimConfig
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.sample import Sample
+from prime_composer.trainer.losses.base import TermContext, build_terms
 from prime_composer.trainer.model import load_model
 from prime_composer.trainer.optim import build_optimizer, clip_grad_norm
-from prime_composer.trainer.train import train_step
+from prime_composer.trainer.step import train_step
 from prime_composer.transport.batch import MicroBatch
 
 CONFIGS = ("tiny", "qwen3-512x8")
@@ -178,13 +179,14 @@ class OursStep:
         self.loss_cfg = LossConfig(
             rl=RLLossConfig(eps_low=EPS_LOW, eps_high=EPS_HIGH, mask_ratio_low=None, mask_ratio_high=None)
         )
+        self.terms = build_terms(self.loss_cfg, TermContext(model))
         optim_cfg = OptimConfig(lr=LR, max_grad_norm=MAX_GRAD_NORM)
         self.optimizer, self.scheduler = build_optimizer(model, optim_cfg, max_steps=1000)
         self.device = torch.device("cpu")
 
     def __call__(self) -> tuple[float, float]:
         self.optimizer.zero_grad(set_to_none=True)
-        loss, _, _ = train_step(self.model, self.micro_batches, self.loss_cfg, self.device)
+        loss = train_step(self.model, self.micro_batches, self.terms, self.device).loss
         grad_norm = clip_grad_norm(self.model, MAX_GRAD_NORM)
         if bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm)):
             self.optimizer.step()

@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from prime_composer.checkpoint_layout import RESUME_PARTS, complete_steps
+import pytest
+
+from prime_composer.checkpoint_layout import DEFAULT_PARTS, complete_steps
 
 from .conftest import metric_steps, run_rl
+
+pytestmark = pytest.mark.slow  # more than ~30 s on 2 cores: left out of the fast lane
 
 
 def test_quickstart_runs_end_to_end(tmp_path: Path) -> None:
@@ -33,6 +37,6 @@ def test_quickstart_runs_end_to_end(tmp_path: Path) -> None:
 
     # Weights were published after every step, checkpoints at 2 and at the end.
     assert (out / "broadcasts" / "step_3" / "STABLE").is_file()
-    assert complete_steps(out / "checkpoints", RESUME_PARTS) == [2, 3]
+    assert complete_steps(out / "checkpoints", DEFAULT_PARTS) == [2, 3]
     assert (out / "report.png").stat().st_size > 1000
     assert "reward: first" in proc.stdout

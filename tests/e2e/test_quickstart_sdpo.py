@@ -7,7 +7,11 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from .conftest import REPO, rl_command
+
+pytestmark = pytest.mark.slow  # more than ~30 s on 2 cores: left out of the fast lane
 
 
 def test_quickstart_sdpo_runs_end_to_end(tmp_path: Path) -> None:

@@ -20,9 +20,10 @@ from prime_composer.config.base import ModelConfig
 from prime_composer.config.loss import SDPOLossConfig
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.sample import Sample
+from prime_composer.orchestrator.sdpo.packing import SDPOPacker
+from prime_composer.trainer.losses.sdpo_term import SDPOTerm
 from prime_composer.trainer.model import full_state_dict, init_distributed, load_model, shard_model
-from prime_composer.trainer.sdpo_term import SDPOTerm
-from prime_composer.trainer.teacher import TeacherModel
+from prime_composer.trainer.policy_copy import PolicyCopy
 
 MODEL = ModelConfig(name="builtin:tiny-qwen3", dtype="float32")
 RATE = 0.75
@@ -52,8 +53,11 @@ def main(out: Path) -> None:
     assert world.world_size == 2, world
     policy = shard_model(load_model(MODEL, world.device)[0], world, mixed_precision=False)
     cfg = SDPOLossConfig(weight=1.0, teacher="ema", ema_rate=RATE)
-    teacher = TeacherModel(
-        policy, cfg, make_copy=lambda: shard_model(load_model(MODEL, world.device)[0], world, False)
+    teacher = PolicyCopy(
+        policy,
+        "ema",
+        ema_rate=RATE,
+        make_copy=lambda: shard_model(load_model(MODEL, world.device)[0], world, False),
     )
     before = full_state_dict(teacher.module)
     with torch.no_grad():
@@ -73,9 +77,11 @@ def main(out: Path) -> None:
         policy_step=0,
     )
     samples = [hinted_sample()] if world.rank == 0 else [plain]
-    (mbs,), _ = pack_step(samples, 16, 1, 1, pad_token_id=0)
-    term = SDPOTerm(teacher, cfg, mbs)
-    logits = term.teacher_logits(0, mbs[0])
+    (mbs,), _ = pack_step(samples, 16, 1, 1, pad_token_id=0, packers=[SDPOPacker()])
+    term = SDPOTerm(cfg, teacher)
+    term.begin_step(mbs)
+    term.prepare(0, mbs[0])
+    logits = term._teacher_logits
     if world.rank == 0:
         torch.save(
             {
@@ -84,13 +90,13 @@ def main(out: Path) -> None:
                 "teacher": teacher_full,
                 "logits": logits,
                 "normalizer": term.normalizer,
-                "run_teacher": term.run_teacher,
+                "run_teacher": term._run_teacher,
                 "num_forwards": teacher.num_forwards,
             },
             out / "rank0.pt",
         )
     else:
-        torch.save({"logits": logits, "run_teacher": term.run_teacher}, out / "rank1.pt")
+        torch.save({"logits": logits, "run_teacher": term._run_teacher}, out / "rank1.pt")
     torch.distributed.destroy_process_group()
 
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from prime_composer.config.base import ModelConfig
@@ -28,6 +29,8 @@ from prime_composer.trainer.sft_data import load_sft_samples
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 from fsdp_worker import MODEL, OPTIM  # noqa: E402
+
+pytestmark = pytest.mark.slow  # more than ~30 s on 2 cores: left out of the fast lane
 
 NUM_SAMPLES = 8  # 2 ranks x 2 micro-batches x 2
 

@@ -1,5 +1,7 @@
 """Weight updates, the shared secret and bad input on the hf server (uvicorn in-process, tiny model).
 
+The server has a secret, so every request but ``/health`` carries it (the ``client`` fixture does).
+
 The round trip is the trainer -> server contract: a "trainer" model takes an optimizer step,
 publishes with ``publish_weights``, the server loads it through ``/update_weights``, and the
 logprobs the server returns must equal the trainer model's own ``log_softmax(logits / T)`` over
@@ -48,7 +50,7 @@ def server(run_dir):
 
 @pytest.fixture
 def client(server):
-    with httpx.Client(base_url=server, timeout=120) as c:
+    with httpx.Client(base_url=server, timeout=120, headers=AUTH) as c:
         yield c
 
 
@@ -102,7 +104,7 @@ def test_weight_round_trip_matches_trainer_logprobs(client, trainer_model, run_d
     model.eval()
 
     path = publish_weights(model, model.config, run_dir / "broadcasts", step=1)
-    response = client.post("/update_weights", json={"path": str(path)}, headers=AUTH)
+    response = client.post("/update_weights", json={"path": str(path)})
     assert response.status_code == 200, response.text
     assert response.json()["step"] == 1 and client.get("/health").json()["weights"]["step"] == 1
 
@@ -113,8 +115,8 @@ def test_weight_round_trip_matches_trainer_logprobs(client, trainer_model, run_d
     assert _max_error(base_model, after, 0.8) > 1e-3  # the server really serves the new weights
 
     # relative path under the broadcast root works too; reload returns to the base weights
-    assert client.post("/update_weights", json={"path": "step_1"}, headers=AUTH).status_code == 200
-    assert client.post("/reload_weights", headers=AUTH).status_code == 200
+    assert client.post("/update_weights", json={"path": "step_1"}).status_code == 200
+    assert client.post("/reload_weights").status_code == 200
     assert _max_error(base_model, _sample(client, 1.0), 1.0) < TOL
 
 
@@ -135,18 +137,29 @@ def test_weight_path_checks(client, run_dir, tmp_path, trainer_model):
         ({"dir": "step_1"}, 400, "path"),
     ]
     for body, status, message in cases:
-        response = client.post("/update_weights", json=body, headers=AUTH)
+        response = client.post("/update_weights", json=body)
         assert response.status_code == status, (body, response.text)
         assert message in response.json()["error"]["message"]
 
 
-def test_admin_endpoints_need_the_secret(client):
-    for endpoint in ("/update_weights", "/reload_weights"):
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": SECRET}):
-            response = client.post(endpoint, json={"path": "step_1"}, headers=headers)
-            assert response.status_code == 401
-            assert SECRET not in response.text
-    assert client.get("/health").status_code == 200  # the API itself needs no secret
+def test_every_route_but_health_needs_the_secret(server):
+    routes = [
+        ("POST", "/update_weights", {"path": "step_1"}),
+        ("POST", "/reload_weights", None),
+        ("POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}),
+        ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+        ("POST", "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}),
+        ("GET", "/v1/models", None),
+        ("GET", "/openapi.json", None),
+    ]
+    with httpx.Client(base_url=server, timeout=120) as anonymous:
+        for method, route, body in routes:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": SECRET}):
+                response = anonymous.request(method, route, json=body, headers=headers)
+                assert response.status_code == 401, (route, headers, response.text)
+                assert SECRET not in response.text
+        assert anonymous.get("/health").status_code == 200  # the launcher polls it without one
+        assert anonymous.get("/v1/models", headers=AUTH).status_code == 200
 
 
 def test_burst_of_bad_requests_mixed_with_good_ones(server):
@@ -166,15 +179,19 @@ def test_burst_of_bad_requests_mixed_with_good_ones(server):
             "invalid prompt token ids",
         ),
         ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"bogus": 1}}, 400, "bogus"),
-        ("/update_weights", {"path": "/etc"}, 401, "missing shared secret"),
-        ("/update_weights", b"not json", 401, "missing shared secret"),
+        ("/update_weights", {"path": "/etc"}, 403, "outside the broadcast root"),
+        ("/update_weights", b"not json", 400, "not valid JSON"),
+        ("/v1/chat/completions (no secret)", {"messages": MESSAGES}, 401, "missing shared secret"),
     ]
     good = {"messages": MESSAGES, "max_tokens": 8, "ignore_eos": True}
 
     async def send(client, endpoint, body):
+        endpoint, anonymous, _ = endpoint.partition(" (no secret)")
+        headers = {} if anonymous else dict(AUTH)
         if isinstance(body, bytes):
-            return await client.post(endpoint, content=body, headers={"content-type": "application/json"})
-        return await client.post(endpoint, json=body)
+            headers["content-type"] = "application/json"
+            return await client.post(endpoint, content=body, headers=headers)
+        return await client.post(endpoint, json=body, headers=headers)
 
     async def main():
         async with httpx.AsyncClient(base_url=server, timeout=120) as client:

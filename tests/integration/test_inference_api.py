@@ -103,23 +103,47 @@ def test_chat_returns_token_ids_and_processed_logprobs(client, tiny):
         assert all(len(c["top_logprobs"]) == 2 for c in content)
 
 
-def test_streamed_chat_equals_non_streamed_and_ends_with_usage(client):
-    body = {"messages": MESSAGES, "max_tokens": 10, "seed": 7, "return_token_ids": True, "ignore_eos": True}
-    full = client.post("/v1/chat/completions", json=body).json()
+def _stream_events(client, route: str, body: dict) -> list[str]:
     events = []
-    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+    with client.stream("POST", route, json={**body, "stream": True}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
             if line.startswith("data: "):
                 events.append(line[len("data: ") :])
     assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
+    return events[:-1]
+
+
+def test_streamed_chat_equals_non_streamed_and_ends_with_usage_when_asked(client):
+    body = {"messages": MESSAGES, "max_tokens": 10, "seed": 7, "return_token_ids": True, "ignore_eos": True}
+    full = client.post("/v1/chat/completions", json=body).json()
+    usage = {"stream_options": {"include_usage": True}}
+    chunks = [json.loads(e) for e in _stream_events(client, "/v1/chat/completions", {**body, **usage})]
     assert chunks[0]["prompt_token_ids"] == full["prompt_token_ids"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
     deltas = [c["choices"][0] for c in chunks[1:-1]]
     assert "".join(d["delta"]["content"] for d in deltas) == full["choices"][0]["message"]["content"]
     assert [t for d in deltas for t in d["token_ids"]] == full["choices"][0]["token_ids"]
     assert deltas[-1]["finish_reason"] == "length"
+
+    # Without include_usage (OpenAI's default) no chunk carries usage: the last one is the
+    # final delta, and the tokens are the same.
+    plain = [json.loads(e) for e in _stream_events(client, "/v1/chat/completions", body)]
+    assert all("usage" not in c for c in plain)
+    assert plain[-1]["choices"][0]["finish_reason"] == "length"
+    assert [t for c in plain[1:] for t in c["choices"][0]["token_ids"]] == full["choices"][0]["token_ids"]
+
+
+def test_streamed_completion_usage_only_when_asked(client):
+    body = {"prompt": "Sort these letters", "max_tokens": 4, "ignore_eos": True}
+    plain = [json.loads(e) for e in _stream_events(client, "/v1/completions", body)]
+    assert all("usage" not in c and c["choices"] for c in plain)
+    usage = {"stream_options": {"include_usage": True}}
+    asked = [json.loads(e) for e in _stream_events(client, "/v1/completions", {**body, **usage})]
+    assert asked[-1]["choices"] == [] and asked[-1]["usage"]["completion_tokens"] == 4
+    # stream_options without a stream is refused, as OpenAI and vLLM do.
+    response = client.post("/v1/completions", json={**body, **usage})
+    assert response.status_code == 400 and "stream_options" in response.json()["error"]["message"]
 
 
 def test_tokens_as_token_ids_and_stop_token(client):
@@ -192,9 +216,13 @@ def test_openai_sdk_client(server):
         == len(choice.model_extra["token_ids"])
         == response.usage.completion_tokens
     )
-    stream = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, stream=True)
+    stream = sdk.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, stream=True))
+    assert all(c.usage is None for c in chunks) and chunks[-1].choices[0].finish_reason is not None
 
 
 def test_renderers_generate_contract(server, tiny):

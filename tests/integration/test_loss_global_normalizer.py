@@ -18,6 +18,8 @@ from prime_composer.config.loss import RLLossConfig
 from prime_composer.trainer.losses.aggregate import accumulate_metrics, finalize_metrics, rl_normalizer
 from prime_composer.trainer.losses.rl import rl_loss
 
+pytestmark = pytest.mark.slow  # more than ~30 s on 2 cores: left out of the fast lane
+
 
 def _step_data() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(5)

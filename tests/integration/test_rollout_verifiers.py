@@ -339,10 +339,26 @@ def test_multi_turn_splices_user_turn_with_mask_zero(server, env_dirs) -> None:
         assert sample.metrics["num_turns"] == 2.0
 
 
-def test_multi_turn_token_mismatch_and_env_exceptions_are_errors(server, env_dirs) -> None:
+def test_multi_turn_token_mismatch_splits_the_rollout_and_env_exceptions_are_errors(server, env_dirs) -> None:
     _, base_url = server
     loaded = envs.load_env(EnvConfig(id="pc-two-turn"), 1, env_dirs=env_dirs)
+    # The server's ids for the replies are not what the template renders next turn: each turn
+    # starts a new sample (PRIME-RL's rule), and both carry the episode's reward.
     (mismatch,) = run_groups(loaded, base_url, "retokenize", group_size=2)
-    assert all(s.error is not None and "do not extend" in s.error and s.reward == 0.0 for s in mismatch)
+    assert len(mismatch) == 4
+    user0 = {"role": "user", "content": "What is 0 + 1?"}
+    later = [user0, {"role": "assistant", "content": "1"}, {"role": "user", "content": "What is 1 + 1?"}]
+    for first, second in zip(mismatch[::2], mismatch[1::2], strict=True):
+        assert first.error is None and second.error is None
+        assert first.info["trace_id"] == second.info["trace_id"]
+        assert first.prompt_ids == tokenize(render([user0]))
+        assert first.completion_ids == [t + 500 for t in tokenize("1")] + [EOS]
+        assert second.prompt_ids == tokenize(render(later))
+        assert second.completion_ids == [t + 500 for t in tokenize("2")] + [EOS]
+        assert second.completion_mask == [1] * len(second.completion_ids)
+        assert first.reward == second.reward == 1.0
+        assert [t.index for t in first.info["turns"]] == [0] and [t.index for t in second.info["turns"]] == [
+            1
+        ]
     (boom,) = run_groups(loaded, base_url, "right", group_size=2, task_offset=2)
     assert all(s.error is not None and "scoring exploded" in s.error and s.reward == 0.0 for s in boom)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 WORKER = Path(__file__).with_name("sdpo_fsdp_worker.py")
@@ -18,6 +19,8 @@ sys.path.insert(0, str(WORKER.parent))
 from sdpo_fsdp_worker import COMPLETION, MODEL, RATE, TEACHER_PREFIX  # noqa: E402
 
 from prime_composer.trainer.model import load_model  # noqa: E402
+
+pytestmark = pytest.mark.slow  # more than ~30 s on 2 cores: left out of the fast lane
 
 
 def test_ema_teacher_on_two_fsdp_ranks(tmp_path):

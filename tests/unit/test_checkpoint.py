@@ -99,6 +99,7 @@ def test_marker_written_last_and_incomplete_never_loaded(tmp_path):
     manager.save(2, model, optimizer, scheduler)
     assert marker_path(tmp_path, 2, "trainer").is_file()
     assert sorted(p.name for p in (step_dir(tmp_path, 2) / "trainer").iterdir()) == [
+        "MANIFEST.json",
         "meta.json",
         "model_optim",
         "rng",

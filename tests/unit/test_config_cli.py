@@ -63,7 +63,7 @@ def test_section_scoped_files_and_shared_keys_propagate(
         tmp_path,
         {
             "t.toml": "max_steps = 7\nnum_ranks = 2\n[model]\nname = 'my/model'\n",
-            "o.toml": "max_steps = 7\nbatch_size = 4\n",
+            "o.toml": "max_steps = 7\nbatch_size = 16\n",
             "i.toml": "port = 8123\n",
         },
     )
@@ -74,7 +74,7 @@ def test_section_scoped_files_and_shared_keys_propagate(
     )
     assert cfg.max_steps == cfg.trainer.max_steps == cfg.orchestrator.max_steps == 7
     assert cfg.model.name == cfg.orchestrator.model.name == cfg.inference.model.name == "my/model"
-    assert cfg.trainer.num_ranks == 2 and cfg.orchestrator.batch_size == 4
+    assert cfg.trainer.num_ranks == 2 and cfg.orchestrator.batch_size == 16
     assert cfg.orchestrator.base_url == "http://127.0.0.1:8123/v1"
 
 
@@ -242,6 +242,62 @@ BAD_CASES: list[tuple[str, dict[str, str], list[str], list[str]]] = [
         ["command line (--orchestrator.base-url)", "orchestrator.base_url", "remove orchestrator.base_url"],
     ),
     ("no- on non-bool", {}, ["--no-max-steps"], ["--no-max-steps", "'max_steps' is not a boolean"]),
+    # Accepted but wrong once: each is now a one-line error before anything starts.
+    (
+        "boolean for a number",
+        {"a.toml": "max_steps = true\n"},
+        ["@", "a.toml"],
+        ["a.toml", "max_steps", "boolean"],
+    ),
+    ("infinite lr", {}, ["--trainer.optim.lr", "inf"], ["trainer.optim.lr = inf", "finite"]),
+    ("nan weight", {}, ["--trainer.loss.sdpo.weight", "nan"], ["trainer.loss.sdpo.weight", "finite"]),
+    ("negative seed", {}, ["--seed", "-1"], ["seed = -1", "greater than or equal to 0"]),
+    ("seed beyond 64 bits", {}, ["--seed", str(2**70)], ["seed", "less than 9223372036854775808"]),
+    (
+        "greedy training",
+        {},
+        ["--orchestrator.sampling.temperature", "0"],
+        ["temperature = 0 (greedy)", "eval"],
+    ),
+    ("tiny top_p", {}, ["--orchestrator.sampling.top-p", "1e-9"], ["top_p = 1e-09", "top_p >= 0.05"]),
+    (
+        "huge eps_high",
+        {},
+        ["--trainer.loss.rl.eps-high", "1e6"],
+        ["trainer.loss.rl.eps_high", "less than or equal to 10"],
+    ),
+    (
+        "empty stop string",
+        {},
+        ["--orchestrator.sampling.stop", '[""]'],
+        ["orchestrator.sampling.stop", "empty stop"],
+    ),
+    (
+        "batch not a multiple of the group",
+        {},
+        ["--orchestrator.batch-size", "9", "--orchestrator.group-size", "4"],
+        ["batch_size (9) must be a multiple of orchestrator.group_size (4)", "batch_size = 8"],
+    ),
+    ("group of one", {}, ["--orchestrator.group-size", "1"], ["group_size = 1", "advantage 0"]),
+    (
+        "in-flight bound below a group",
+        {},
+        [
+            "--orchestrator.max-inflight",
+            "2",
+            "--orchestrator.group-size",
+            "4",
+            "--orchestrator.batch-size",
+            "8",
+        ],
+        ["max_inflight = 2", "at least 4"],
+    ),
+    (
+        "section table inside a scoped file",
+        {"t.toml": "[orchestrator]\nbatch_size = 8\n"},
+        ["--trainer", "@", "t.toml"],
+        ["t.toml", "[orchestrator] is a section of the whole config", "--orchestrator @ file"],
+    ),
 ]
 
 
@@ -314,3 +370,57 @@ def test_dry_run_prints_resolved_config(tmp_path: Path) -> None:
     resolved = json.loads(proc.stdout)
     assert resolved["trainer"]["max_steps"] == 4
     assert resolved["orchestrator"]["base_url"] == "http://127.0.0.1:8111/v1"
+
+
+ENV_CASES = [
+    (
+        "PRIME_COMPOSER_MAX_STEPZ",
+        "3",
+        ["environment variable PRIME_COMPOSER_MAX_STEPZ", "did you mean 'max_steps'"],
+    ),
+    (
+        "PRIME_COMPOSER_TRAINER__OPTIM__LRR",
+        "1e-5",
+        ["PRIME_COMPOSER_TRAINER__OPTIM__LRR", "trainer.optim.lr"],
+    ),
+    (
+        "PRIME_COMPOSER_TRAINER",
+        "{bad json",
+        ["environment variable PRIME_COMPOSER_TRAINER", "not valid JSON"],
+    ),
+    ("PRIME_COMPOSER_MAX_STEPS", "true", ["PRIME_COMPOSER_MAX_STEPS", "valid integer"]),
+]
+
+
+@pytest.mark.parametrize("name, value, expected", ENV_CASES, ids=[c[0] for c in ENV_CASES])
+def test_bad_environment_variables_at_any_depth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str, expected: list[str]
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as info:
+        resolve(tmp_path, [], monkeypatch)
+    for part in expected:
+        assert part in str(info.value), f"{part!r} not in {info.value!r}"
+
+
+def test_variables_that_are_not_config_keys_are_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PRIME_COMPOSER_INFERENCE_API_KEY", "x")
+    monkeypatch.setenv("PRIME_COMPOSER_LOG_LEVEL", "DEBUG")
+    monkeypatch.setenv("PRIME_COMPOSER_CACHE", str(tmp_path))
+    monkeypatch.setenv("PRIME_COMPOSER_TRAINER__OPTIM__LR", "3e-4")
+    assert resolve(tmp_path, [], monkeypatch).trainer.optim.lr == 3e-4
+
+
+def test_non_utf8_file_and_deep_include_chain_are_one_line_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "bad.toml").write_bytes(b"max_steps = 3 # \xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"bad\.toml: not UTF-8 text \(byte \d+"):
+        resolve(tmp_path, ["@", "bad.toml"], monkeypatch)
+    for i in range(1200):
+        body = f'include = ["c{i + 1}.toml"]\n' if i < 1199 else "max_steps = 2\n"
+        (tmp_path / f"c{i}.toml").write_text(body)
+    with pytest.raises(ConfigError, match="included 32 files deep"):
+        resolve(tmp_path, ["@", "c0.toml"], monkeypatch)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from prime_composer.config.advantage import AdvantageConfig
 from prime_composer.config.env import SamplingConfig
+from prime_composer.orchestrator.advantages import compute_advantages
 from prime_composer.orchestrator.harness import TurnRecord, turn_record
 from prime_composer.orchestrator.rollout import (
     TokenError,
@@ -12,6 +16,7 @@ from prime_composer.orchestrator.rollout import (
     derive_seed,
     request_sampling,
 )
+from prime_composer.orchestrator.sample import Sample
 
 
 def _turn(prompt: list[int], completion: list[int], logprobs: list[float] | None) -> TurnRecord:
@@ -57,8 +62,14 @@ def test_turn_record_reads_vllm_return_token_ids_json() -> None:
 
 
 def test_single_turn() -> None:
-    prompt, ids, logprobs, mask = assemble_tokens([_turn([1, 2, 3], [10, 11], [-0.1, -0.2])])
-    assert (prompt, ids, logprobs, mask) == ([1, 2, 3], [10, 11], [-0.1, -0.2], [1, 1])
+    (segment,) = assemble_tokens([_turn([1, 2, 3], [10, 11], [-0.1, -0.2])])
+    assert (segment.prompt_ids, segment.completion_ids, segment.logprobs, segment.mask) == (
+        [1, 2, 3],
+        [10, 11],
+        [-0.1, -0.2],
+        [1, 1],
+    )
+    assert segment.spans == [(0, 2)] and segment.turns == [0]
 
 
 def test_multi_turn_splices_environment_tokens_with_mask_zero() -> None:
@@ -67,17 +78,32 @@ def test_multi_turn_splices_environment_tokens_with_mask_zero() -> None:
         _turn([1, 2], [10, 11], [-0.1, -0.2]),
         _turn([1, 2, 10, 11, 20, 21], [12], [-0.3]),
     ]
-    prompt, ids, logprobs, mask = assemble_tokens(turns)
-    assert prompt == [1, 2]
-    assert ids == [10, 11, 20, 21, 12]
-    assert logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3]
-    assert mask == [1, 1, 0, 0, 1]
+    (segment,) = assemble_tokens(turns)
+    assert segment.prompt_ids == [1, 2]
+    assert segment.completion_ids == [10, 11, 20, 21, 12]
+    assert segment.logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3]
+    assert segment.mask == [1, 1, 0, 0, 1]
+    assert segment.spans == [(0, 2), (4, 5)]
 
 
-def test_multi_turn_prefix_mismatch_is_an_error() -> None:
-    turns = [_turn([1, 2], [10, 11], [-0.1, -0.2]), _turn([1, 2, 10, 99, 20], [12], [-0.3])]
-    with pytest.raises(TokenError, match=r"turn 1.*do not extend"):
-        assemble_tokens(turns)
+def test_a_prompt_that_does_not_extend_the_previous_turn_starts_a_new_sample() -> None:
+    # PRIME-RL's rule: a template that rewrites history splits the rollout instead of failing it.
+    turns = [
+        _turn([1, 2], [10, 11], [-0.1, -0.2]),
+        _turn([1, 2, 10, 99, 20], [12], [-0.3]),
+        _turn([1, 2, 10, 99, 20, 12, 30], [13, 14], [-0.4, -0.5]),
+    ]
+    first, second = assemble_tokens(turns)
+    assert (first.prompt_ids, first.completion_ids, first.mask, first.turns) == (
+        [1, 2],
+        [10, 11],
+        [1, 1],
+        [0],
+    )
+    assert second.prompt_ids == [1, 2, 10, 99, 20]
+    assert second.completion_ids == [12, 30, 13, 14] and second.mask == [1, 0, 1, 1]
+    assert second.logprobs == [-0.3, 0.0, -0.4, -0.5]
+    assert second.turns == [1, 2] and second.spans == [(0, 1), (2, 4)]
 
 
 @pytest.mark.parametrize(
@@ -122,3 +148,18 @@ def test_extra_body_and_optional_fields_pass_through() -> None:
     fields = request_sampling(sampling, group_id=0, rollout_index=0).model_dump(exclude_none=True)
     assert fields["top_k"] == 5 and fields["stop"] == ["\n"] and fields["min_tokens"] == 1
     assert "min_p" not in fields and "seed" not in fields
+
+
+def test_the_samples_of_a_split_episode_count_once_in_the_group_baseline() -> None:
+    def sample(trace: str, reward: float) -> Sample:
+        return Sample(
+            [1], [2], [0.0], [1], reward, example_id=0, group_id=5, policy_step=0, info={"trace_id": trace}
+        )
+
+    group = [sample("a", 1.0), sample("a", 1.0), sample("b", 0.0), sample("c", 0.0)]
+    plain = compute_advantages(group, AdvantageConfig(std_scaling=False))
+    # Episodes a, b, c: mean 1/3, so a's two samples get 2/3 each (not 1/2, as four rollouts would).
+    assert [s.advantage for s in plain] == pytest.approx([2 / 3, 2 / 3, -1 / 3, -1 / 3])
+    scaled = compute_advantages(group, AdvantageConfig(std_scaling=True))
+    std = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # over the three episodes, n - 1
+    assert scaled[0].advantage == pytest.approx((2 / 3) / (std + 1e-4))

@@ -1,13 +1,24 @@
-"""Admin-secret rules (inference/auth.py): who needs a secret, and that it is checked."""
+"""The shared secret and the request guard (inference/auth.py, inference/guard.py).
+
+Who needs a secret, that every route but ``/health`` checks it, and the body-size limit, on a
+small Starlette app standing for either backend.
+"""
 
 from __future__ import annotations
 
 import pytest
-from fastapi import HTTPException
+from starlette.applications import Starlette
 from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.testclient import TestClient
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from prime_composer.config.inference import InferenceConfig
-from prime_composer.inference.auth import check_bearer, is_loopback, resolve_admin_secret
+from prime_composer.inference.auth import bearer_error, is_loopback, resolve_admin_secret
+from prime_composer.inference.guard import RequestGuard
+
+SECRET = "s3cret-value"
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.5", "::1", "[::1]", "localhost"])
@@ -47,16 +58,82 @@ def test_build_app_fails_before_loading_the_model(monkeypatch):
         build_app(config)
 
 
-def _request(authorization: str | None) -> Request:
-    headers = [] if authorization is None else [(b"authorization", authorization.encode())]
-    return Request({"type": "http", "method": "POST", "path": "/update_weights", "headers": headers})
+def test_bearer_error():
+    assert bearer_error("Bearer right", "right") is None
+    assert bearer_error("bearer  right ", "right") is None  # scheme case and spaces do not matter
+    for header, message in [
+        (None, "missing"),
+        ("", "missing"),
+        ("Basic right", "missing"),
+        ("Bearer", "missing"),
+        ("right", "missing"),
+        ("Bearer wrong", "wrong"),
+        ("Bearer righ", "wrong"),
+        ("Bearer rightt", "wrong"),
+        ("Bearer \udcff", "wrong"),  # undecodable header bytes do not crash the comparison
+    ]:
+        refusal = bearer_error(header, "right")
+        assert refusal is not None and message in refusal, header
+        assert "right" not in refusal  # the secret is never echoed
 
 
-def test_check_bearer():
-    check_bearer(_request(None), None)  # no secret configured (loopback): open
-    check_bearer(_request("Bearer right"), "right")
-    for header, message in [(None, "missing"), ("Basic right", "missing"), ("Bearer wrong", "wrong")]:
-        with pytest.raises(HTTPException) as info:
-            check_bearer(_request(header), "right")
-        assert info.value.status_code == 401 and message in info.value.detail
-        assert "right" not in info.value.detail  # the secret is never echoed
+def _guarded_client(secret: str | None, max_body_bytes: int = 1024) -> TestClient:
+    async def echo(request: Request) -> JSONResponse:
+        body = await request.body()
+        return JSONResponse({"path": request.url.path, "num_bytes": len(body)})
+
+    async def socket(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await websocket.send_text("hello")
+        await websocket.close()
+
+    routes = [
+        Route(p, echo, methods=["GET", "POST"]) for p in ("/health", "/v1/models", "/v1/chat/completions")
+    ]
+    app = Starlette(routes=[*routes, WebSocketRoute("/ws", socket)])
+    return TestClient(RequestGuard(app, secret=secret, max_body_bytes=max_body_bytes))
+
+
+def test_every_route_but_health_needs_the_secret():
+    client = _guarded_client(SECRET)
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    assert client.get("/health").status_code == 200
+    for path in ("/v1/models", "/v1/chat/completions", "/update_weights", "/docs", "/no-such-route"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": SECRET}):
+            response = client.post(path, headers=headers)
+            assert response.status_code == 401, (path, headers)
+            assert response.json()["error"]["code"] == 401 and SECRET not in response.text
+    assert client.post("/v1/chat/completions", headers=auth).json()["path"] == "/v1/chat/completions"
+    assert client.get("/no-such-route", headers=auth).status_code == 404  # past the guard
+    with pytest.raises(WebSocketDisconnect) as closed, client.websocket_connect("/ws") as ws:
+        ws.receive_text()
+    assert closed.value.code == 1008
+    with client.websocket_connect("/ws", headers=auth) as ws:
+        assert ws.receive_text() == "hello"
+
+
+def test_no_secret_configured_leaves_routes_open():
+    client = _guarded_client(None)
+    assert client.post("/v1/chat/completions").status_code == 200
+    assert client.get("/v1/models").status_code == 200
+
+
+def test_body_limit_with_and_without_content_length():
+    client = _guarded_client(None, max_body_bytes=1024)
+    assert client.post("/v1/chat/completions", content=b"x" * 1024).json()["num_bytes"] == 1024
+    response = client.post("/v1/chat/completions", content=b"x" * 1025)
+    assert response.status_code == 413
+    assert "inference.max_request_bytes = 1024" in response.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit is enforced while reading
+        for _ in range(10):
+            yield b"x" * 300
+
+    response = client.post("/v1/chat/completions", content=chunks())
+    assert response.status_code == 413 and response.json()["error"]["code"] == 413
+
+
+def test_apps_built_without_a_config_use_the_config_default_limit():
+    from prime_composer.inference.guard import DEFAULT_MAX_BODY_BYTES
+
+    assert InferenceConfig().max_request_bytes == DEFAULT_MAX_BODY_BYTES == 8 * 2**20

@@ -295,3 +295,25 @@ def test_cancelled_request_frees_its_slot(tiny):
     finally:
         engine.stop()
     assert len(choice["ids"]) == 3
+
+
+def test_non_finite_logits_fail_the_request_instead_of_returning_nan_logprobs(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from prime_composer.inference.requests import EngineError
+
+    model, tokenizer = tiny
+    broken = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["model.norm.weight"][0] = float("nan")  # what an unchecked weight update would do
+    broken.load_state_dict(state)
+    engine = _engine(broken, tokenizer)
+    try:
+        with pytest.raises(EngineError, match="non-finite logits"):
+            asyncio.run(_run(engine, [1, 2, 3], max_tokens=4))
+        # The loop survives: the server keeps serving (other weights would work again).
+        asyncio.run(engine.update_weights(model.state_dict()))
+        (choice,) = asyncio.run(_run(engine, [1, 2, 3], max_tokens=4, ignore_eos=True))
+    finally:
+        engine.stop()
+    assert _max_error(model, [1, 2, 3], choice, 1.0) < TOL

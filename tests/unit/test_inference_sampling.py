@@ -62,3 +62,14 @@ def test_seeded_rows_are_reproducible_and_independent_of_batch():
     a = torch.rand(8, generator=make_generator(7, 0, CPU))
     b = torch.rand(8, generator=make_generator(7, 1, CPU))
     assert not torch.equal(a, b)
+
+
+def test_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    # 1e-300 is 0.0 in float32; the nucleus once kept no token and the sampler returned the last
+    # id of the vocabulary. The most likely token (argmax, computed independently) must win.
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    generators = [torch.Generator().manual_seed(i) for i in range(4)]
+    sampled = sample_rows(logits, [1.0] * 4, [1e-300] * 4, generators, num_top=0)
+    assert sampled.token_ids == logits.argmax(dim=-1).tolist()
+    expected = torch.log_softmax(logits, -1).max(dim=-1).values
+    assert torch.allclose(torch.tensor(sampled.logprobs), expected)

@@ -51,7 +51,12 @@ def test_published_step_loads_with_from_pretrained(tiny, tmp_path):
 
     assert path == tmp_path / "broadcasts" / "step_3"
     assert (path / STABLE_MARKER).is_file()
-    assert sorted(p.name for p in path.iterdir()) == ["STABLE", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "MANIFEST.json",
+        "STABLE",
+        "config.json",
+        "model.safetensors",
+    ]
     # transformers' loader (independent of load_weights) reads it and computes the same logits.
     reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.tensor([[1, 5, 9, 42, 7]])

@@ -119,6 +119,8 @@ def _random_step(num_micro_batches: int = 2, batch: int = 4, seq_len: int = 7, s
         mask = (pos >= start) & (pos < start + length)
         ref = logprobs + 0.3 * torch.randn(batch, seq_len, generator=gen, dtype=torch.float64)
         micro_batches.append({"logprobs": logprobs, "old": old, "adv": adv, "mask": mask, "ref": ref})
+    # One row with no loss token at all (a sequence whose completion was all environment tokens).
+    micro_batches[-1]["mask"][0] = False
     return micro_batches
 
 
@@ -139,6 +141,12 @@ def test_matches_trl_grpo_loss_and_gradient(trl_grpo, aggregation, ratio_level, 
     )  # fmt: skip
     normalizer = rl_normalizer([mb["mask"] for mb in micro_batches], cfg)
     num_items = sum(int(mb["mask"].sum()) for mb in micro_batches)
+    # sequence_mean: TRL's "grpo" divides by every row, the all-masked one included; ours divides
+    # by the sequences that have a loss token (rl.py's convention), so ours is TRL's x rows / nonempty.
+    num_rows = num_micro * batch
+    num_nonempty = sum(int(mb["mask"].any(-1).sum()) for mb in micro_batches)
+    assert num_nonempty == num_rows - 1
+    scale = num_rows / num_nonempty if aggregation == "sequence_mean" else 1.0
     num_clipped = 0.0
     for mb in micro_batches:
         ours_lp = mb["logprobs"].clone().requires_grad_(True)
@@ -151,8 +159,9 @@ def test_matches_trl_grpo_loss_and_gradient(trl_grpo, aggregation, ratio_level, 
             num_micro_batches=num_micro, max_completion_length=seq_len,
         )  # fmt: skip
         ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(ours_lp.grad, trl_lp.grad, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(loss, ref_loss * scale, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(ours_lp.grad, trl_lp.grad * scale, rtol=1e-10, atol=1e-12)
+        assert (ours_lp.grad[~mb["mask"]] == 0).all()  # the masked row gets no gradient
         if ratio_level == "token":  # TRL counts sequence-level clipping per sequence, we per token
             low, high = metrics["rl/clip_low_frac"], metrics["rl/clip_high_frac"]
             assert float(low[0] / low[1]) == pytest.approx(ref_metrics["clip_ratio/low_mean"][0])
@@ -240,7 +249,7 @@ def test_extreme_ratios_are_masked_but_still_counted():
     old = torch.full((1, 3), -2.0, dtype=torch.float64)
     logprobs = (old + ratios.log()).requires_grad_(True)
     mask = torch.ones(1, 3, dtype=torch.bool)
-    cfg = RLLossConfig(eps_high=100.0)  # clip wide enough not to bind at r = 10
+    cfg = RLLossConfig(eps_high=10.0)  # clip at 11: wide enough not to bind at r = 10
     loss, metrics = rl_loss(logprobs, old, torch.tensor([1.0], dtype=torch.float64), mask, cfg, 3.0)
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 0.0, -1 / 3]], dtype=torch.float64))

@@ -287,7 +287,7 @@ def test_closed_form_gradient_matches_autograd_of_the_formula(small_chunks, beta
 
     ours_in = student.clone().requires_grad_(True)
     cfg = SDPOLossConfig(beta=beta, top_k=top_k, token_clip=token_clip)
-    divergence, *_ = sdpo_module._GeneralizedJSD.apply(ours_in, teacher, beta, temperature, top_k)
+    divergence, *_ = sdpo_module._GeneralizedJSD.apply(ours_in, teacher, beta, temperature, top_k, True)
     ours_clipped = divergence.clamp(max=token_clip) if clip else divergence
     (weights * ours_clipped).sum().div(normalizer).backward()
 
@@ -312,7 +312,7 @@ def test_closed_form_gradient_passes_finite_differences(beta, top_k):
     student = torch.randn(4, 7, generator=gen, dtype=torch.float64, requires_grad=True)
     teacher = torch.randn(4, 7, generator=gen, dtype=torch.float64)
     assert torch.autograd.gradcheck(
-        lambda s: sdpo_module._GeneralizedJSD.apply(s, teacher, beta, 0.9, top_k)[0], (student,)
+        lambda s: sdpo_module._GeneralizedJSD.apply(s, teacher, beta, 0.9, top_k, True)[0], (student,)
     )
 
 
@@ -350,8 +350,22 @@ def test_kl_metric_is_the_full_vocabulary_forward_kl(top_k):
     )
 
 
-def test_no_gradient_buffer_without_grad():
+def test_no_gradient_buffer_without_grad(monkeypatch):
+    """Under no_grad (e.g. an evaluation of the loss) the [N, V] gradient buffer is never made."""
+    buffers: list[object] = []
+    real = sdpo_module._chunk_forward
+
+    def spy(student, teacher, beta, temperature, top_k, grad_out):
+        buffers.append(grad_out)
+        return real(student, teacher, beta, temperature, top_k, grad_out)
+
+    monkeypatch.setattr(sdpo_module, "_chunk_forward", spy)
     student = torch.randn(3, 5, requires_grad=True)
     with torch.no_grad():
         loss, _ = sdpo_module.sdpo_loss_rows(student, torch.randn(3, 5), SDPOLossConfig(), 1.0, 3)
     assert not loss.requires_grad
+    assert buffers and all(b is None for b in buffers)
+    # With grad enabled the buffer is there (so the spy can tell the two apart).
+    buffers.clear()
+    loss, _ = sdpo_module.sdpo_loss_rows(student, torch.randn(3, 5), SDPOLossConfig(), 1.0, 3)
+    assert loss.requires_grad and all(isinstance(b, torch.Tensor) for b in buffers)

@@ -28,7 +28,7 @@ def test_env_choice_follows_ratios() -> None:
 
 def test_state_round_trip_marks_the_part_complete(tmp_path: Path) -> None:
     state = OrchestratorState(step=5, groups_drawn=40, env_draws=[30, 10])
-    state.save(tmp_path)
+    state.save(tmp_path, keep=2)
     assert is_complete(tmp_path, 5, ("orchestrator",))
     assert not is_complete(tmp_path, 5, ("trainer", "orchestrator"))  # the trainer's part is missing
     assert latest_complete_step(tmp_path, ("orchestrator",)) == 5

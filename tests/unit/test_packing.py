@@ -59,7 +59,7 @@ def test_token_values_mask_and_padding() -> None:
     assert mb.advantages.tolist() == [[0, 0, -0.5, 0, -0.5, 0, 0, 0]]
     assert mb.inference_logprobs[0].tolist() == pytest.approx([0, 0, -0.1, -0.2, -0.3, 0, 0, 0])
     assert mb.sample_ids.tolist() == [[0, 0, 0, 0, 0, -1, -1, -1]]
-    assert (mb.num_loss_tokens, mb.num_samples, mb.max_completion_len) == (2, 1, 3)
+    assert mb.groups == {}  # no group packer: no term-specific tensors
 
 
 def test_truncation_cuts_completion_end() -> None:
@@ -71,7 +71,7 @@ def test_truncation_cuts_completion_end() -> None:
     assert stats.truncated_sample_ids == [0] and stats.dropped_sample_ids == []
     assert mb.loss_mask.sum().item() == 6
     assert mb.inference_logprobs[0, 4:].tolist() == pytest.approx([-0.1, -0.2, -0.3, -0.4, -0.5, -0.6])
-    assert (mb.num_loss_tokens, mb.max_completion_len) == (6, 6)
+    assert mb.input_ids[0].tolist() == [101] * 4 + [201] * 6
 
 
 def test_drops_samples_with_nothing_to_train() -> None:
@@ -86,7 +86,7 @@ def test_drops_samples_with_nothing_to_train() -> None:
     assert stats.truncated_sample_ids == [0, 2]
     (mb,) = rank_batches[0]
     assert set(mb.sample_ids.unique().tolist()) == {-1, 3}
-    assert (mb.num_loss_tokens, mb.num_samples) == (2, 1)
+    assert int(mb.loss_mask.sum()) == 2
 
 
 def test_every_rank_gets_the_same_number_of_micro_batches() -> None:
@@ -99,13 +99,13 @@ def test_every_rank_gets_the_same_number_of_micro_batches() -> None:
     assert padding.num_rows == 1
     assert (padding.sample_ids == -1).all() and not padding.loss_mask.any()
     assert (padding.input_ids == PAD).all()
-    assert padding.num_loss_tokens == 12  # global counts even on padding
+    assert padding.position_ids.tolist() == [list(range(6))]  # one padding "sample"
 
 
 def test_no_samples_still_gives_each_rank_a_micro_batch() -> None:
     rank_batches, stats = pack_step([], seq_len=8, micro_batch_size=2, num_ranks=3, pad_token_id=PAD)
     assert [len(r) for r in rank_batches] == [1, 1, 1]
-    assert all(r[0].num_loss_tokens == 0 and r[0].num_samples == 0 for r in rank_batches)
+    assert all(not r[0].loss_mask.any() and (r[0].sample_ids == -1).all() for r in rank_batches)
     assert stats.num_rows == 0
 
 
@@ -139,8 +139,8 @@ def test_one_rank_by_four_equals_two_ranks_by_two() -> None:
     one, _ = pack_step(samples, seq_len=10, micro_batch_size=1, num_ranks=1, pad_token_id=PAD)
     two, _ = pack_step(samples, seq_len=10, micro_batch_size=1, num_ranks=2, pad_token_id=PAD)
     assert [len(r) for r in one] == [4] and [len(r) for r in two] == [2, 2]
-    counts = {(mb.num_loss_tokens, mb.num_samples, mb.max_completion_len) for r in one + two for mb in r}
-    assert counts == {(24, 8, 3)}
+    for split in (one, two):
+        assert sum(int(mb.loss_mask.sum()) for r in split for mb in r) == 24
     assert _packed_tokens(one) == _packed_tokens(two)
     assert sorted(_packed_tokens(one)) == list(range(8))
 

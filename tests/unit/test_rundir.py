@@ -9,12 +9,16 @@ import pytest
 
 from prime_composer.checkpoint_layout import marker_path, step_dir
 from prime_composer.config.errors import ConfigError
+from prime_composer.integrity import write_manifest
 from prime_composer.launch.rundir import prepare_fresh, prepare_resume
 
 
 def complete_checkpoint(out: Path, step: int) -> None:
     for part in ("trainer", "orchestrator"):
-        (step_dir(out / "checkpoints", step) / part).mkdir(parents=True, exist_ok=True)
+        directory = step_dir(out / "checkpoints", step) / part
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "state.json").write_text(json.dumps({"part": part, "step": step}))
+        write_manifest(directory)
         marker_path(out / "checkpoints", step, part).write_text("")
 
 
@@ -47,7 +51,8 @@ def test_resume_trims_everything_produced_after_the_checkpoint(tmp_path: Path) -
     (tmp_path / "metrics" / "trainer.jsonl").write_text(
         "".join(json.dumps({"step": s, "loss": s}) + "\n" for s in range(6)) + '{"step": 6, "lo'
     )
-    assert prepare_resume(tmp_path, None) == 4
+    point = prepare_resume(tmp_path, None)
+    assert (point.step, point.skipped) == (4, [])
     assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == [f"step_{s}" for s in range(4)]
     # Weights of step 4 itself stay (the trainer republishes them anyway); newer ones go.
     assert sorted(p.name for p in (tmp_path / "broadcasts").iterdir()) == [f"step_{s}" for s in range(5)]
@@ -60,8 +65,25 @@ def test_resume_trims_everything_produced_after_the_checkpoint(tmp_path: Path) -
 def test_resume_from_an_explicit_step_or_nothing(tmp_path: Path) -> None:
     complete_checkpoint(tmp_path, 2)
     complete_checkpoint(tmp_path, 4)
-    assert prepare_resume(tmp_path, 2) == 2
+    assert prepare_resume(tmp_path, 2).step == 2
     with pytest.raises(ConfigError, match="resume_step = 3"):
         prepare_resume(tmp_path, 3)
-    with pytest.raises(ConfigError, match="no complete checkpoint"):
+    with pytest.raises(ConfigError, match="no complete, intact checkpoint"):
         prepare_resume(tmp_path / "elsewhere", None)
+
+
+def test_resume_falls_back_past_a_damaged_checkpoint_and_says_why(tmp_path: Path) -> None:
+    complete_checkpoint(tmp_path, 2)
+    complete_checkpoint(tmp_path, 4)
+    complete_checkpoint(tmp_path, 6)
+    state = step_dir(tmp_path / "checkpoints", 6) / "orchestrator" / "state.json"
+    state.write_text(state.read_text().replace("6", "9"))  # same size, other contents
+    (step_dir(tmp_path / "checkpoints", 4) / "trainer" / "state.json").unlink()
+    point = prepare_resume(tmp_path, None)
+    assert point.step == 2
+    assert [s for s, _ in point.skipped] == [6, 4]
+    assert "orchestrator/state.json" in point.skipped[0][1] and "corrupted" in point.skipped[0][1]
+    assert "trainer/state.json" in point.skipped[1][1] and "missing" in point.skipped[1][1]
+    # Asking for the damaged step by name is an error that names the file, not a fallback.
+    with pytest.raises(ConfigError, match=r"resume_step = 6.*state\.json.*corrupted"):
+        prepare_resume(tmp_path, 6)

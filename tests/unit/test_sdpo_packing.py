@@ -5,11 +5,14 @@ from __future__ import annotations
 import itertools
 import random
 
+import pytest
 import torch
 
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.sample import Sample
-from prime_composer.transport.batch import MicroBatch, decode_rank_batch, encode_rank_batch
+from prime_composer.orchestrator.sdpo.packing import SDPOPacker
+from prime_composer.transport.batch import BatchFormatError, MicroBatch, decode_rank_batch, encode_rank_batch
+from prime_composer.transport.groups import SDPOGroup
 
 PAD = 0
 
@@ -39,6 +42,10 @@ def _sample(rng: random.Random, i: int, hinted: bool, seq_len: int) -> Sample:
     return s
 
 
+def pack(samples: list[Sample], seq_len: int, micro_batch_size: int, num_ranks: int = 1):
+    return pack_step(samples, seq_len, micro_batch_size, num_ranks, PAD, packers=[SDPOPacker()])
+
+
 def _row_major(values: torch.Tensor, mask: torch.Tensor) -> list[int]:
     return values[mask].tolist()  # boolean indexing walks rows in order, left to right
 
@@ -47,60 +54,77 @@ def test_teacher_rows_align_with_student_targets():
     rng = random.Random(0)
     seq_len = 24
     samples = [_sample(rng, i, hinted=i % 3 != 0, seq_len=seq_len) for i in range(14)]
-    rank_batches, stats = pack_step(samples, seq_len, micro_batch_size=2, num_ranks=2, pad_token_id=PAD)
-    expected_total = sum(s.sdpo_span[1] - s.sdpo_span[0] for s in samples if s.sdpo_span)
+    rank_batches, stats = pack(samples, seq_len, micro_batch_size=2, num_ranks=2)
+    expected_total = sum(s.sdpo.span[1] - s.sdpo.span[0] for s in samples if s.sdpo)
     seen_hinted: set[int] = set()
+    total = 0
     for mbs in rank_batches:
         for mb in mbs:
-            assert mb.num_sdpo_tokens == expected_total
-            assert not (mb.sdpo_mask & ~mb.loss_mask).any()  # targets are policy tokens only
-            assert _row_major(mb.input_ids, mb.sdpo_mask) == _row_major(
-                mb.teacher_input_ids, mb.teacher_target_mask
+            group = mb.group(SDPOGroup)
+            if group is None:
+                continue
+            total += group.num_tokens
+            assert not (group.student_mask & ~mb.loss_mask).any()  # targets are policy tokens only
+            assert _row_major(mb.input_ids, group.student_mask) == _row_major(
+                group.teacher_input_ids, group.teacher_target_mask
             )
             # Every hinted student here has its whole teacher sequence in this micro-batch's teacher rows.
             teacher_seqs = []
-            for r in range(mb.teacher_input_ids.shape[0]):
-                starts = [*(mb.teacher_position_ids[r] == 0).nonzero().flatten().tolist(), seq_len]
+            for r in range(group.teacher_input_ids.shape[0]):
+                starts = [*(group.teacher_position_ids[r] == 0).nonzero().flatten().tolist(), seq_len]
                 for a, b in itertools.pairwise(starts):
-                    if mb.teacher_target_mask[r, a:b].any():
-                        teacher_seqs.append(mb.teacher_input_ids[r, a:b].tolist())
-            hinted_here = [int(i) for i in torch.unique(mb.sample_ids[mb.sdpo_mask]).tolist()]
+                    if group.teacher_target_mask[r, a:b].any():
+                        teacher_seqs.append(group.teacher_input_ids[r, a:b].tolist())
+            hinted_here = [int(i) for i in torch.unique(mb.sample_ids[group.student_mask]).tolist()]
             seen_hinted.update(hinted_here)
             expected_seqs = sorted(
-                samples[i].teacher_prefix_ids + samples[i].completion_ids[slice(*samples[i].sdpo_span)]
+                samples[i].sdpo.teacher_prefix_ids + samples[i].completion_ids[slice(*samples[i].sdpo.span)]
                 for i in hinted_here
             )
             assert sorted(teacher_seqs) == expected_seqs
-    assert seen_hinted == {i for i, s in enumerate(samples) if s.sdpo_span}
-    assert stats.num_sdpo_samples == len(seen_hinted) and stats.num_teacher_rows > 0
+    assert total == expected_total
+    assert seen_hinted == {i for i, s in enumerate(samples) if s.sdpo}
+    metrics = stats.metrics()
+    assert metrics["sdpo/packed_samples"] == len(seen_hinted) and metrics["sdpo/teacher_rows"] > 0
+    assert metrics["sdpo/pack_dropped"] == 0
 
 
 def test_positions_restart_for_every_teacher_sequence():
     rng = random.Random(1)
     samples = [_sample(rng, i, hinted=True, seq_len=40) for i in range(6)]
-    (mbs,), _ = pack_step(samples, 40, micro_batch_size=8, num_ranks=1, pad_token_id=PAD)
+    (mbs,), _ = pack(samples, 40, micro_batch_size=8)
     (mb,) = mbs
-    for r in range(mb.teacher_input_ids.shape[0]):
-        pos = mb.teacher_position_ids[r].tolist()
+    group = mb.group(SDPOGroup)
+    assert group is not None
+    for r in range(group.teacher_input_ids.shape[0]):
+        pos = group.teacher_position_ids[r].tolist()
         # Contiguous runs 0, 1, 2, ...: every step is +1 or a restart at 0.
         assert pos[0] == 0 and all(b == a + 1 or b == 0 for a, b in itertools.pairwise(pos))
 
 
-def test_no_hint_gives_empty_teacher_tensors_and_round_trips():
+def _assert_same(a: MicroBatch, b: MicroBatch) -> None:
+    assert a.temperature == b.temperature and a.groups.keys() == b.groups.keys()
+    pairs = [(a.core_tensors(), b.core_tensors())]
+    pairs += [(a.groups[k].tensors(), b.groups[k].tensors()) for k in a.groups]
+    for x, y in pairs:
+        assert x.keys() == y.keys()
+        for name, tensor in x.items():
+            assert torch.equal(tensor, y[name]) and tensor.dtype == y[name].dtype, name
+
+
+def test_no_hint_gives_no_group_and_both_round_trip():
     rng = random.Random(2)
     plain = [_sample(rng, i, hinted=False, seq_len=30) for i in range(3)]
-    (mbs,), _ = pack_step(plain, 30, micro_batch_size=4, num_ranks=1, pad_token_id=PAD)
-    assert mbs[0].teacher_input_ids.shape == (0, 30) and not mbs[0].sdpo_mask.any()
-    assert mbs[0].num_sdpo_tokens == 0
+    (mbs,), stats = pack(plain, 30, micro_batch_size=4)
+    assert mbs[0].group(SDPOGroup) is None and mbs[0].groups == {}
+    assert stats.metrics()["sdpo/teacher_rows"] == 0
     hinted = [_sample(rng, i, hinted=True, seq_len=30) for i in range(3)]
-    for batch in (mbs, pack_step(hinted, 30, micro_batch_size=1, num_ranks=1, pad_token_id=PAD)[0][0]):
+    (hinted_mbs,), _ = pack(hinted, 30, micro_batch_size=1)
+    assert all(mb.group(SDPOGroup) is not None for mb in hinted_mbs)
+    for batch in (mbs, hinted_mbs):
         _, _, decoded = decode_rank_batch(encode_rank_batch(3, 0, batch))
         for a, b in zip(batch, decoded, strict=True):
-            assert a.step_meta() == b.step_meta()
-            for name, tensor in a.tensors().items():
-                assert torch.equal(tensor, b.tensors()[name]) and tensor.dtype == b.tensors()[name].dtype, (
-                    name
-                )
+            _assert_same(a, b)
 
 
 def test_student_truncation_clips_the_span_and_a_teacher_too_long_drops_sdpo():
@@ -115,27 +139,37 @@ def test_student_truncation_clips_the_span_and_a_teacher_too_long_drops_sdpo():
         policy_step=0,
     )
     s.set_sdpo_target((0, 5), [1, 2, 50])  # a teacher context cut in the middle, say
-    (mbs,), stats = pack_step([s], 6, micro_batch_size=1, num_ranks=1, pad_token_id=PAD)
+    (mbs,), stats = pack([s], 6, micro_batch_size=1)
     (mb,) = mbs
+    group = mb.group(SDPOGroup)
+    assert group is not None
     # Student keeps 3 prompt + 3 completion tokens; the span is cut to those 3.
-    assert mb.sdpo_mask[0].tolist() == [False] * 3 + [True] * 3
-    assert mb.teacher_input_ids[0].tolist() == [1, 2, 50, 10, 11, 12]
-    assert mb.teacher_target_mask[0].tolist() == [False] * 3 + [True] * 3
-    assert mb.num_sdpo_tokens == 3 and not stats.sdpo_dropped_sample_ids
+    assert group.student_mask[0].tolist() == [False] * 3 + [True] * 3
+    assert group.teacher_input_ids[0].tolist() == [1, 2, 50, 10, 11, 12]
+    assert group.teacher_target_mask[0].tolist() == [False] * 3 + [True] * 3
+    assert group.num_tokens == 3 and stats.metrics()["sdpo/pack_dropped"] == 0
     s.set_sdpo_target((0, 3), [1, 2, 3, 50, 51, 52, 53])  # 7 + 3 > 10
-    (mbs,), stats = pack_step([s], 8, micro_batch_size=1, num_ranks=1, pad_token_id=PAD)
-    assert stats.sdpo_dropped_sample_ids == [0] and mbs[0].num_sdpo_tokens == 0
+    (mbs,), stats = pack([s], 8, micro_batch_size=1)
+    assert stats.metrics()["sdpo/pack_dropped"] == 1 and mbs[0].group(SDPOGroup) is None
 
 
 def test_micro_batch_rejects_misaligned_sdpo_masks():
     rng = random.Random(3)
-    (mbs,), _ = pack_step([_sample(rng, 1, hinted=True, seq_len=30)], 30, 1, 1, PAD)
+    (mbs,), _ = pack([_sample(rng, 1, hinted=True, seq_len=30)], 30, 1)
     mb = mbs[0]
-    bad = mb.teacher_target_mask.clone()
+    group = mb.group(SDPOGroup)
+    assert group is not None
+    bad = group.teacher_target_mask.clone()
     bad[0, 0] = True
-    try:
-        MicroBatch(**{**mb.tensors(), "teacher_target_mask": bad}, **mb.step_meta())
-    except ValueError as e:
-        assert "align" in str(e)
-    else:
-        raise AssertionError("a misaligned teacher mask was accepted")
+    with pytest.raises(BatchFormatError, match="align one to one"):
+        MicroBatch(
+            **mb.core_tensors(),
+            groups={"sdpo": SDPOGroup(**{**group.tensors(), "teacher_target_mask": bad})},
+        )
+    outside = group.student_mask.clone()
+    outside[~mb.loss_mask] = False
+    outside[0, 0] = True  # a prompt token
+    with pytest.raises(BatchFormatError, match="outside loss_mask"):
+        MicroBatch(
+            **mb.core_tensors(), groups={"sdpo": SDPOGroup(**{**group.tensors(), "student_mask": outside})}
+        )

@@ -7,9 +7,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from prime_composer.config.loss import SDPOLossConfig
 from prime_composer.model.resolve import resolve_model_name
-from prime_composer.trainer.teacher import TeacherModel
+from prime_composer.trainer.policy_copy import PolicyCopy
 
 
 def _linear(w: list[list[float]], b: list[float]) -> nn.Linear:
@@ -22,7 +21,7 @@ def _linear(w: list[list[float]], b: list[float]) -> nn.Linear:
 
 def test_ema_update_by_hand():
     policy = _linear([[1.0, 2.0], [3.0, 4.0]], [0.0, 1.0])
-    teacher = TeacherModel(policy, SDPOLossConfig(teacher="ema", ema_rate=0.75))
+    teacher = PolicyCopy(policy, "ema", ema_rate=0.75)
     assert teacher.module is not policy
     with torch.no_grad():
         policy.weight.copy_(torch.tensor([[5.0, 2.0], [-1.0, 0.0]]))
@@ -39,7 +38,7 @@ def test_ema_update_by_hand():
 
 def test_frozen_stays_at_the_initial_policy():
     policy = _linear([[1.0, 2.0], [3.0, 4.0]], [0.0, 1.0])
-    teacher = TeacherModel(policy, SDPOLossConfig(teacher="frozen"))
+    teacher = PolicyCopy(policy, "frozen")
     with torch.no_grad():
         policy.weight.add_(1.0)
     teacher.update(policy)
@@ -48,7 +47,7 @@ def test_frozen_stays_at_the_initial_policy():
 
 def test_live_shares_the_policy_and_gives_no_gradient():
     policy = _linear([[1.0, 2.0], [3.0, 4.0]], [0.0, 1.0])
-    teacher = TeacherModel(policy, SDPOLossConfig(teacher="live"))
+    teacher = PolicyCopy(policy, "live")
     assert teacher.module is policy
     teacher.update(policy)
     assert policy.weight.tolist() == [[1.0, 2.0], [3.0, 4.0]]
@@ -56,10 +55,10 @@ def test_live_shares_the_policy_and_gives_no_gradient():
 
 def test_make_copy_gets_the_policy_weights():
     policy = _linear([[1.0, 2.0], [3.0, 4.0]], [0.0, 1.0])
-    teacher = TeacherModel(policy, SDPOLossConfig(teacher="ema"), make_copy=lambda: nn.Linear(2, 2))
+    teacher = PolicyCopy(policy, "ema", make_copy=lambda: nn.Linear(2, 2))
     assert teacher.module.weight.tolist() == [[1.0, 2.0], [3.0, 4.0]]
     with pytest.raises(ValueError, match="different parameters"):
-        TeacherModel(policy, SDPOLossConfig(teacher="ema"), make_copy=lambda: nn.Linear(2, 2, bias=False))
+        PolicyCopy(policy, "ema", make_copy=lambda: nn.Linear(2, 2, bias=False))
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +94,11 @@ def test_logits_at_target_positions_match_separate_forwards(tiny, wrap):
     position_ids[0, 15], position_ids[1, :11], position_ids[1, 11:] = 0, torch.arange(11), torch.arange(5)
     mask[0, 6:9] = mask[0, 11:13] = mask[1, 9:11] = True
     policy = _NoKeep(tiny) if wrap else tiny
-    teacher = TeacherModel(policy, SDPOLossConfig(teacher="live"))
+    teacher = PolicyCopy(policy, "live")
     head_shapes = []
     handle = tiny.lm_head.register_forward_hook(lambda m, i, out: head_shapes.append(tuple(out.shape)))
     try:
-        got = teacher.logits(input_ids, position_ids, mask, temperature=0.5)
+        got = teacher.target_logits(input_ids, position_ids, mask, temperature=0.5)
     finally:
         handle.remove()
     # With an output head, it maps only the 7 predicting positions, not all 2 x 16.
@@ -120,10 +119,10 @@ def test_logits_at_target_positions_match_separate_forwards(tiny, wrap):
 
 
 def test_live_teacher_logits_are_detached_even_with_grad_enabled(tiny):
-    teacher = TeacherModel(tiny, SDPOLossConfig(teacher="live"))
+    teacher = PolicyCopy(tiny, "live")
     ids = torch.randint(3, 400, (1, 8))
     mask = torch.zeros(1, 8, dtype=torch.bool)
     mask[0, 4:] = True
     with torch.enable_grad():
-        out = teacher.logits(ids, torch.arange(8)[None], mask, temperature=1.0)
+        out = teacher.target_logits(ids, torch.arange(8)[None], mask, temperature=1.0)
     assert out.grad_fn is None and not out.requires_grad

@@ -16,15 +16,16 @@ import pytest
 import torch
 from torch import nn
 
-from prime_composer.checkpoint_layout import marker_path, step_dir
 from prime_composer.config.base import CheckpointConfig, ModelConfig
 from prime_composer.config.loss import LossConfig, SDPOLossConfig
 from prime_composer.config.optim import OptimConfig
 from prime_composer.config.trainer import TrainerConfig
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.sample import Sample
+from prime_composer.orchestrator.sdpo.packing import SDPOPacker
+from prime_composer.orchestrator.state import OrchestratorState
 from prime_composer.trainer.model import World
-from prime_composer.trainer.teacher import TeacherModel
+from prime_composer.trainer.policy_copy import PolicyCopy
 from prime_composer.trainer.train import Trainer
 
 WORLD = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -37,7 +38,7 @@ def test_bf16_ema_keeps_an_fp32_master():
     policy = nn.Linear(1, 1, bias=False).to(torch.bfloat16)
     with torch.no_grad():
         policy.weight.fill_(1.0)
-    teacher = TeacherModel(policy, SDPOLossConfig(teacher="ema", ema_rate=0.99))
+    teacher = PolicyCopy(policy, "ema", ema_rate=0.99)
     assert teacher.master["weight"].dtype == torch.float32
     assert teacher.module.weight.dtype == torch.bfloat16
     target = 1.0 + 2**-7
@@ -58,24 +59,24 @@ def test_bf16_ema_keeps_an_fp32_master():
 
 def test_fp32_ema_and_frozen_keep_no_master():
     policy = nn.Linear(2, 2)
-    assert TeacherModel(policy, SDPOLossConfig(teacher="ema")).master == {}
-    assert TeacherModel(policy.to(torch.bfloat16), SDPOLossConfig(teacher="frozen")).master == {}
+    assert PolicyCopy(policy, "ema").master == {}
+    assert PolicyCopy(policy.to(torch.bfloat16), "frozen").master == {}
 
 
 def test_state_dict_round_trip_and_kind_check():
     policy = nn.Linear(2, 2).to(torch.bfloat16)
-    teacher = TeacherModel(policy, SDPOLossConfig(teacher="ema", ema_rate=0.5))
+    teacher = PolicyCopy(policy, "ema", ema_rate=0.5)
     with torch.no_grad():
         policy.weight.add_(1.0)
     teacher.update(policy)
     saved = {"kind": "ema", "weights": {k: v.clone() for k, v in teacher.state_dict()["weights"].items()}}
     assert saved["weights"]["weight"].dtype == torch.float32  # the master, not the bf16 copy
-    fresh = TeacherModel(nn.Linear(2, 2).to(torch.bfloat16), SDPOLossConfig(teacher="ema", ema_rate=0.5))
+    fresh = PolicyCopy(nn.Linear(2, 2).to(torch.bfloat16), "ema", ema_rate=0.5)
     fresh.load_state_dict(saved)
     assert torch.equal(fresh.master["weight"], teacher.master["weight"])
     assert torch.equal(fresh.module.weight, teacher.module.weight)
-    frozen = TeacherModel(nn.Linear(2, 2), SDPOLossConfig(teacher="frozen"))
-    with pytest.raises(ValueError, match=r"'ema' but loss\.sdpo\.teacher is 'frozen'"):
+    frozen = PolicyCopy(nn.Linear(2, 2), "frozen")
+    with pytest.raises(ValueError, match=r"policy copy is 'ema' but this run needs 'frozen'"):
         frozen.load_state_dict(saved)
 
 
@@ -101,7 +102,7 @@ def _micro_batches() -> list:
         )
         s.set_sdpo_target((1, len(completion)), prompt + [rng.randint(3, 400) for _ in range(3)])
         samples.append(s)
-    (mbs,), _ = pack_step(samples, 32, 2, 1, pad_token_id=0)
+    (mbs,), _ = pack_step(samples, 32, 2, 1, pad_token_id=0, packers=[SDPOPacker()])
     return mbs
 
 
@@ -122,14 +123,18 @@ def _save(trainer: Trainer, step: int) -> None:
     """The trainer's part of a checkpoint, plus the orchestrator's (empty) part that resume also waits for."""
     trainer.save_checkpoint(step)
     root = trainer.config.output_dir / "checkpoints"
-    (step_dir(root, step) / "orchestrator").mkdir()
-    marker_path(root, step, "orchestrator").write_text("{}\n")
+    OrchestratorState(step=step).save(root, keep=5)
+
+
+def _teacher(trainer: Trainer) -> PolicyCopy:
+    (teacher,) = trainer.terms_context.copies.values()
+    return teacher
 
 
 def _teacher_state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    assert trainer.teacher is not None
-    state = {f"module.{k}": v.detach().clone() for k, v in trainer.teacher.module.state_dict().items()}
-    return state | {f"master.{k}": v.clone() for k, v in trainer.teacher.master.items()}
+    teacher = _teacher(trainer)
+    state = {f"module.{k}": v.detach().clone() for k, v in teacher.module.state_dict().items()}
+    return state | {f"master.{k}": v.clone() for k, v in teacher.master.items()}
 
 
 @pytest.mark.parametrize(
@@ -164,7 +169,7 @@ def test_resume_restores_the_teacher_exactly(tmp_path, teacher, dtype):
     policy = resumed.model.state_dict()
     if teacher == "frozen":
         # Still the run's initial weights, not the resumed policy's.
-        for name, tensor in resumed.teacher.module.state_dict().items():  # type: ignore[union-attr]
+        for name, tensor in _teacher(resumed).module.state_dict().items():
             assert torch.equal(tensor, initial[name]), name
         assert not torch.equal(policy["model.norm.weight"], initial["model.norm.weight"])
     else:
@@ -177,5 +182,5 @@ def test_resume_without_teacher_state_is_a_clear_error(tmp_path):
     torch.set_num_threads(1)
     first = _trainer(tmp_path, "live", "float32")
     _save(first, 1)
-    with pytest.raises(ValueError, match=r"no \['sdpo_teacher'\] state.*resume with the settings"):
+    with pytest.raises(ValueError, match=r"no \['policy_copy_ema'\] state.*resume with the settings"):
         _trainer(tmp_path, "ema", "float32").resume()

@@ -20,8 +20,10 @@ from prime_composer.config.loss import LossConfig, SDPOLossConfig
 from prime_composer.model.resolve import resolve_model_name
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.sample import Sample
-from prime_composer.trainer.teacher import TeacherModel
-from prime_composer.trainer.train import train_step
+from prime_composer.orchestrator.sdpo.packing import SDPOPacker
+from prime_composer.trainer.losses.base import TermContext, build_terms
+from prime_composer.trainer.step import StepResult, train_step
+from prime_composer.transport.groups import SDPOGroup
 
 SEQ_LEN = 48
 TEMPERATURE = 0.7
@@ -63,6 +65,21 @@ def _samples(hinted: list[bool]) -> list[Sample]:
     return out
 
 
+def _pack(samples: list[Sample], micro_batch_size: int, temperature: float = TEMPERATURE):
+    return pack_step(
+        samples, SEQ_LEN, micro_batch_size, 1, pad_token_id=0, temperature=temperature, packers=[SDPOPacker()]
+    )
+
+
+def _step(model, mbs, cfg: LossConfig, ctx: TermContext | None = None) -> tuple[StepResult, TermContext]:
+    ctx = ctx or TermContext(model)
+    return train_step(model, mbs, build_terms(cfg, ctx), torch.device("cpu")), ctx
+
+
+def _num_hinted_micro_batches(mbs) -> int:
+    return sum(mb.group(SDPOGroup) is not None for mb in mbs)
+
+
 def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -70,18 +87,18 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def _reference(path, samples: list[Sample], alpha: float) -> tuple[dict[str, torch.Tensor], float]:
     """Gradients of alpha * mean forward KL over the target tokens, and that mean KL."""
     model = _model(path)
-    num_targets = sum(s.sdpo_span[1] - s.sdpo_span[0] for s in samples if s.sdpo_span)
+    num_targets = sum(s.sdpo.span[1] - s.sdpo.span[0] for s in samples if s.sdpo)
     total = 0.0
     for s in samples:
-        if s.sdpo_span is None:
+        if s.sdpo is None:
             continue
-        start, end = s.sdpo_span
+        start, end = s.sdpo.span
         target = s.completion_ids[start:end]
         student_ids = s.prompt_ids + s.completion_ids
-        teacher_ids = s.teacher_prefix_ids + target
+        teacher_ids = s.sdpo.teacher_prefix_ids + target
         lo = len(s.prompt_ids) + start
         with torch.no_grad():
-            t_logits = model(torch.tensor([teacher_ids])).logits[0, len(s.teacher_prefix_ids) - 1 : -1]
+            t_logits = model(torch.tensor([teacher_ids])).logits[0, len(s.sdpo.teacher_prefix_ids) - 1 : -1]
         s_logits = model(torch.tensor([student_ids])).logits[0, lo - 1 : lo - 1 + len(target)]
         log_t = (t_logits / TEMPERATURE).log_softmax(-1)
         log_s = (s_logits / TEMPERATURE).log_softmax(-1)
@@ -93,31 +110,31 @@ def _reference(path, samples: list[Sample], alpha: float) -> tuple[dict[str, tor
 @pytest.mark.parametrize("micro_batch_size", [1, 8])
 def test_gradient_flows_only_through_the_student_with_a_live_teacher(model_path, micro_batch_size):
     samples = _samples([True, False, True, True, False])
-    (mbs,), _ = pack_step(samples, SEQ_LEN, micro_batch_size, 1, pad_token_id=0, temperature=TEMPERATURE)
+    (mbs,), _ = _pack(samples, micro_batch_size)
     model = _model(model_path)
     alpha = 0.5
     cfg = LossConfig(sdpo=SDPOLossConfig(weight=alpha, beta=0.0, teacher="live"))
-    teacher = TeacherModel(model, cfg.sdpo)
-    loss, metrics, _ = train_step(model, mbs, cfg, torch.device("cpu"), teacher=teacher)
+    result, ctx = _step(model, mbs, cfg)
+    loss, metrics = result.loss, result.metrics
     got = _grads(model)
     expected, _ = _reference(model_path, samples, alpha)
     assert got.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)
-    assert teacher.num_forwards == sum(bool(mb.sdpo_mask.any()) for mb in mbs)
+    assert ctx.copies["live"].num_forwards == _num_hinted_micro_batches(mbs)
     assert metrics["loss/rl"] == pytest.approx(0.0, abs=1e-12)
     assert float(loss) == pytest.approx(alpha * metrics["loss/sdpo"])
     # beta = 0: the loss term is the forward KL, so the logged KL is the same number per token.
     assert metrics["sdpo/kl_teacher_student"] == pytest.approx(metrics["loss/sdpo"], rel=1e-6)
-    assert metrics["sdpo/num_tokens"] == sum(s.sdpo_span[1] - s.sdpo_span[0] for s in samples if s.sdpo_span)
+    assert metrics["sdpo/num_tokens"] == sum(s.sdpo.span[1] - s.sdpo.span[0] for s in samples if s.sdpo)
 
 
 def test_kl_metric_is_the_forward_kl_for_any_beta(model_path):
     samples = _samples([True, True, False, True])
-    (mbs,), _ = pack_step(samples, SEQ_LEN, 2, 1, pad_token_id=0, temperature=TEMPERATURE)
+    (mbs,), _ = _pack(samples, 2)
     model = _model(model_path)
     cfg = LossConfig(sdpo=SDPOLossConfig(weight=1.0, beta=0.5, teacher="live"))
-    _, metrics, _ = train_step(model, mbs, cfg, torch.device("cpu"), teacher=TeacherModel(model, cfg.sdpo))
+    metrics = _step(model, mbs, cfg)[0].metrics
     _, kl = _reference(model_path, samples, 1.0)
     assert metrics["sdpo/kl_teacher_student"] == pytest.approx(kl, rel=1e-5)
     assert metrics["sdpo/divergence"] < kl  # the JSD of the same distributions is smaller
@@ -125,19 +142,29 @@ def test_kl_metric_is_the_forward_kl_for_any_beta(model_path):
 
 def test_weight_zero_runs_no_teacher_forward(model_path):
     samples = _samples([True, True, False])
-    (mbs,), _ = pack_step(samples, SEQ_LEN, 1, 1, pad_token_id=0, temperature=TEMPERATURE)
+    (mbs,), _ = _pack(samples, 1)
     model = _model(model_path)
-    teacher = TeacherModel(model, SDPOLossConfig(teacher="live"))
-    _, metrics, _ = train_step(model, mbs, LossConfig(), torch.device("cpu"), teacher=teacher)
-    assert teacher.num_forwards == 0 and "loss/sdpo" not in metrics
+    result, ctx = _step(model, mbs, LossConfig())
+    assert ctx.copies == {} and "loss/sdpo" not in result.metrics  # no teacher was even made
     # On, it runs once per micro-batch that has a hinted sample.
     on = LossConfig(sdpo=SDPOLossConfig(weight=0.1, teacher="live"))
     model.zero_grad()
-    train_step(model, mbs, on, torch.device("cpu"), teacher=teacher)
-    assert teacher.num_forwards == sum(bool(mb.sdpo_mask.any()) for mb in mbs) >= 1
+    _, ctx = _step(model, mbs, on)
+    assert ctx.copies["live"].num_forwards == _num_hinted_micro_batches(mbs) >= 1
 
 
-def test_weight_above_zero_needs_a_teacher(model_path):
-    (mbs,), _ = pack_step(_samples([True]), SEQ_LEN, 1, 1, pad_token_id=0)
-    with pytest.raises(ValueError, match="TeacherModel"):
-        train_step(_model(model_path), mbs, LossConfig(sdpo=SDPOLossConfig(weight=0.1)), torch.device("cpu"))
+def test_terms_share_one_copy_per_kind_and_checkpoint_it(model_path):
+    model = _model(model_path)
+    ctx = TermContext(model)
+    terms = build_terms(LossConfig(sdpo=SDPOLossConfig(weight=0.1, teacher="frozen")), ctx)
+    assert [t.name for t in terms] == ["rl", "sdpo"]
+    assert set(ctx.copies) == {"frozen"} and set(ctx.checkpoint_states()) == {"policy_copy_frozen"}
+    # The KL reference is the frozen initial policy too: the same copy, not a second one.
+    cfg = LossConfig(rl={"kl_coef": 0.1}, sdpo=SDPOLossConfig(weight=0.1, teacher="frozen"))
+    ctx = TermContext(model)
+    rl_term, sdpo_term = build_terms(cfg, ctx)
+    assert rl_term.reference is sdpo_term.teacher is ctx.copies["frozen"]
+    # A live teacher has no weights of its own to save.
+    ctx = TermContext(model)
+    build_terms(LossConfig(sdpo=SDPOLossConfig(weight=0.1, teacher="live")), ctx)
+    assert ctx.checkpoint_states() == {}

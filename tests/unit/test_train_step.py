@@ -12,9 +12,10 @@ from prime_composer.config.base import ModelConfig
 from prime_composer.config.loss import LossConfig
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.sample import Sample
-from prime_composer.trainer.forward import packed_token_logprobs
+from prime_composer.trainer.forward import forward_micro_batch
+from prime_composer.trainer.losses.base import TermContext, build_terms
 from prime_composer.trainer.model import load_model
-from prime_composer.trainer.train import train_step
+from prime_composer.trainer.step import train_step
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,8 @@ def grads_after_step(
     (micro_batches,), _ = pack_step(
         batch, seq_len=16, micro_batch_size=micro_batch_size, num_ranks=1, pad_token_id=0
     )
-    loss, _, _ = train_step(fresh, micro_batches, LossConfig(), torch.device("cpu"))
+    terms = build_terms(LossConfig(), TermContext(fresh))
+    loss = train_step(fresh, micro_batches, terms, torch.device("cpu")).loss
     return loss.item(), {n: p.grad.clone() for n, p in fresh.named_parameters() if p.grad is not None}
 
 
@@ -86,6 +88,38 @@ def test_on_policy_loss_is_minus_mean_token_advantage(model: torch.nn.Module) ->
     # And the packed forward really reproduces the per-sample logprobs (ratio 1).
     (micro_batches,), _ = pack_step(batch, seq_len=16, micro_batch_size=8, num_ranks=1, pad_token_id=0)
     with torch.no_grad():
-        logprobs, _ = packed_token_logprobs(model, micro_batches[0], 1.0)
+        logprobs = forward_micro_batch(model, micro_batches[0]).logprobs
     mb = micro_batches[0]
     torch.testing.assert_close(logprobs[mb.loss_mask], mb.inference_logprobs[mb.loss_mask], atol=1e-5, rtol=0)
+
+
+def test_kl_to_reference_runs_a_frozen_reference_forward(model: torch.nn.Module) -> None:
+    """kl_coef > 0: the loss adds kl_coef * mean k3(ref - logp) with ref = the weights the term was
+    built with, however far the policy has moved since (hand-derived, on-policy ratio 1)."""
+    policy = copy.deepcopy(model)
+    initial = copy.deepcopy(model)
+    ctx = TermContext(policy)
+    terms = build_terms(LossConfig(rl={"kl_coef": 0.2}), ctx)
+    assert set(ctx.copies) == {"frozen"}
+    with torch.no_grad():  # the policy moves away from its reference
+        for p in policy.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    batch = samples(policy)  # inference logprobs = the moved policy's own: ratio 1
+    (micro_batches,), _ = pack_step(batch, seq_len=16, micro_batch_size=2, num_ranks=1, pad_token_id=0)
+    result = train_step(policy, micro_batches, terms, torch.device("cpu"))
+
+    num_tokens = sum(len(s.completion_ids) for s in batch)
+    k3 = []
+    with torch.no_grad():
+        for s in batch:
+            ids = torch.tensor([s.prompt_ids + s.completion_ids])
+            ref = torch.log_softmax(initial(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+            ref = ref[len(s.prompt_ids) - 1 :]
+            logp = torch.tensor(s.completion_logprobs)
+            k3 += (torch.exp(ref - logp) - (ref - logp) - 1).tolist()
+    mean_k3 = sum(k3) / num_tokens
+    expected = -sum(s.advantage * len(s.completion_ids) for s in batch) / num_tokens + 0.2 * mean_k3
+    assert mean_k3 > 1e-4  # the reference really differs from the policy
+    assert result.metrics["rl/kl_ref"] == pytest.approx(mean_k3, rel=1e-4)
+    assert result.loss.item() == pytest.approx(expected, abs=1e-5)
+    assert ctx.copies["frozen"].num_forwards == len(micro_batches)

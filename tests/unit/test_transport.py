@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from prime_composer.config.transport import TransportConfig
+from prime_composer.integrity import IntegrityError
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.sample import Sample
-from prime_composer.transport.batch import MicroBatch, decode_rank_batch, encode_rank_batch
+from prime_composer.transport.batch import BatchFormatError, MicroBatch, decode_rank_batch, encode_rank_batch
 from prime_composer.transport.factory import make_receiver, make_sender
 from prime_composer.transport.filesystem import FilesystemReceiver, FilesystemSender, rank_path
 
@@ -46,9 +47,9 @@ def make_step(seed: int, num_ranks: int = 2) -> list[list[MicroBatch]]:
 def assert_same(a: list[MicroBatch], b: list[MicroBatch]) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
-        assert x.step_meta() == y.step_meta()
-        for name, tensor in x.tensors().items():
-            other = y.tensors()[name]
+        assert x.temperature == y.temperature and x.groups.keys() == y.groups.keys()
+        for name, tensor in x.core_tensors().items():
+            other = y.core_tensors()[name]
             assert other.dtype == tensor.dtype and torch.equal(other, tensor), name
 
 
@@ -69,8 +70,97 @@ def test_bytes_round_trip() -> None:
 
 def test_micro_batch_rejects_wrong_dtype() -> None:
     mb = make_step(0)[0][0]
-    with pytest.raises(ValueError, match="loss_mask"):
-        MicroBatch(**{**mb.tensors(), "loss_mask": mb.loss_mask.long()}, **mb.step_meta())
+    with pytest.raises(BatchFormatError, match="loss_mask"):
+        MicroBatch(**{**mb.core_tensors(), "loss_mask": mb.loss_mask.long()})
+
+
+def test_micro_batch_rejects_non_finite_values() -> None:
+    mb = make_step(0)[0][0]
+    advantages = mb.advantages.clone()
+    advantages[0, 0] = float("nan")
+    with pytest.raises(BatchFormatError, match="advantages holds non-finite"):
+        MicroBatch(**{**mb.core_tensors(), "advantages": advantages})
+    with pytest.raises(BatchFormatError, match="temperature"):
+        MicroBatch(**mb.core_tensors(), temperature=0.0)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda d: d[: len(d) * 3 // 4], id="last-quarter-missing"),
+        pytest.param(
+            lambda d: d[: len(d) * 3 // 4] + bytes(len(d) - len(d) * 3 // 4), id="last-quarter-zeroed"
+        ),
+        pytest.param(lambda d: d[:-1] + bytes([d[-1] ^ 1]), id="one-bit-flipped"),
+        pytest.param(lambda d: d[:8], id="header-only"),
+        pytest.param(lambda d: b"", id="empty"),
+    ],
+)
+def test_damaged_bytes_are_refused_not_trained_on(damage) -> None:
+    data = encode_rank_batch(5, 0, make_step(0)[0])
+    with pytest.raises(IntegrityError):
+        decode_rank_batch(damage(data))
+
+
+def test_a_changed_header_field_is_refused() -> None:
+    data = encode_rank_batch(5, 0, make_step(0)[0])
+    # Same length, different step number inside the JSON header: the digest covers the header.
+    tampered = data.replace(b'\\"step\\": 5', b'\\"step\\": 6', 1)
+    assert tampered != data
+    with pytest.raises(IntegrityError, match="digest"):
+        decode_rank_batch(tampered)
+
+
+def _rewrite(data: bytes, edit) -> bytes:
+    """Re-sign a batch after ``edit(header, tensors)`` changed it (what an older or newer writer makes)."""
+    import json
+
+    from safetensors.torch import load, save
+
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(json.loads(data[8 : 8 + length])["__metadata__"]["prime_composer"])
+    tensors = load(data)
+    edit(header, tensors)
+    blob = save(tensors, metadata={"prime_composer": json.dumps(header)})
+    # Re-encode through the real encoder's digest scheme by decoding nothing: build the digest here.
+    from prime_composer.integrity import bytes_digest
+    from prime_composer.transport.batch import _canonical_table, _split
+
+    table, body = _split(blob)
+    table["__metadata__"]["prime_composer_sha256"] = bytes_digest(
+        table["__metadata__"]["prime_composer"].encode(), _canonical_table(table), body
+    )
+    new_header = json.dumps(table).encode()
+    new_header += b" " * (-len(new_header) % 8)
+    return len(new_header).to_bytes(8, "little") + new_header + bytes(body)
+
+
+def test_version_and_field_mismatches_name_what_is_wrong() -> None:
+    data = encode_rank_batch(5, 0, make_step(0)[0])
+
+    def old_format(header: dict, tensors: dict) -> None:
+        header["format"] = 3
+
+    with pytest.raises(BatchFormatError, match="format 3 is not 4"):
+        decode_rank_batch(_rewrite(data, old_format))
+
+    def drop_field(header: dict, tensors: dict) -> None:
+        del tensors["0/advantages"]
+
+    with pytest.raises(BatchFormatError, match="no tensor for field 'advantages'"):
+        decode_rank_batch(_rewrite(data, drop_field))
+
+    def unknown_group(header: dict, tensors: dict) -> None:
+        header["meta"][0]["groups"] = ["telepathy"]
+
+    with pytest.raises(BatchFormatError, match="'telepathy'"):
+        decode_rank_batch(_rewrite(data, unknown_group))
+
+    def group_without_tensors(header: dict, tensors: dict) -> None:
+        header["meta"][0]["groups"] = ["sdpo"]
+
+    with pytest.raises(BatchFormatError, match=r"'sdpo\.student_mask'"):
+        decode_rank_batch(_rewrite(data, group_without_tensors))
 
 
 def test_filesystem_round_trip_across_threads(tmp_path: Path) -> None:

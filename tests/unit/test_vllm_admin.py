@@ -24,6 +24,7 @@ from prime_composer.inference.vllm.admin import (
     admin_settings,
 )
 from prime_composer.inference.vllm.extension import WeightUpdateExtension
+from prime_composer.integrity import write_manifest
 
 SECRET = "s3cret-value"
 
@@ -31,10 +32,11 @@ SECRET = "s3cret-value"
 class FakeEngine:
     """Records the engine-client calls the middleware makes (vLLM's ``EngineClient`` methods)."""
 
-    def __init__(self, fail_rpc: bool = False, healthy: bool = True) -> None:
+    def __init__(self, fail_rpc: bool = False, healthy: bool = True, rpc_result: Any = None) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.fail_rpc = fail_rpc
         self.healthy = healthy
+        self.rpc_result = rpc_result if rpc_result is not None else {"num_tensors": 1}
 
     async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
         self.calls.append(("pause", mode))
@@ -46,7 +48,7 @@ class FakeEngine:
         self.calls.append(("rpc", method, args))
         if self.fail_rpc:
             raise RuntimeError("worker exploded")
-        return [None]
+        return [self.rpc_result]
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False):
         self.calls.append(("reset_prefix_cache",))
@@ -58,9 +60,11 @@ class FakeEngine:
 
 
 def _publish_dir(root: Path, step: int, stable: bool = True) -> Path:
+    """A step directory as ``publish_weights`` leaves it (the fake workers never read it)."""
     path = root / f"step_{step}"
     path.mkdir(parents=True)
-    (path / "model.safetensors").write_bytes(b"")
+    (path / "model.safetensors").write_bytes(b"weights of step %d" % step)
+    write_manifest(path)
     if stable:
         (path / "STABLE").write_text("{}")
     return path
@@ -171,9 +175,16 @@ class _IdleEngine:
 
 def _hf_client(root: Path, secret: str | None) -> TestClient:
     from prime_composer.inference.openai_routes import ServingState
+    from prime_composer.inference.preprocess import Preprocessor
     from prime_composer.inference.server import create_app
 
-    state = ServingState(engine=_IdleEngine(), tokenizer=None, served_model_name="m", model_root="m")  # type: ignore[arg-type]
+    state = ServingState(
+        engine=_IdleEngine(),  # type: ignore[arg-type]
+        tokenizer=None,
+        served_model_name="m",
+        model_root="m",
+        preprocess=Preprocessor(None, max_model_len=16),
+    )
     return TestClient(create_app(state, root, secret))
 
 
@@ -181,8 +192,23 @@ def _cases(root: Path, tmp_path: Path) -> list[tuple[str, str, Any, dict[str, st
     _publish_dir(root, 2, stable=False)
     outside = _publish_dir(tmp_path / "elsewhere", 5)
     (root / "step_9").symlink_to(outside, target_is_directory=True)
+    (root / "loop").symlink_to(root / "loop")
+    flipped = _publish_dir(root, 3) / "model.safetensors"
+    flipped.write_bytes(flipped.read_bytes()[:-1] + b"X")  # same size, another digest
+    latest = root / "latest"
+    latest.mkdir()
+    (latest / "STABLE").write_text("{}")
     auth = {"Authorization": f"Bearer {SECRET}"}
     return [
+        ("NUL byte", "/update_weights", {"path": "step_1\x00"}, auth),
+        ("symlink loop", "/update_weights", {"path": "loop"}, auth),
+        ("5000 characters", "/update_weights", {"path": "a" * 5000}, auth),
+        ("deep JSON", "/update_weights", "[" * 10_000 + "]" * 10_000, auth),
+        ("not an object", "/update_weights", "[1, 2]", auth),
+        ("path not a string", "/update_weights", {"path": 7}, auth),
+        ("not a step directory", "/update_weights", {"path": "latest"}, auth),
+        ("digest mismatch", "/update_weights", {"path": "step_3"}, auth),
+        ("too large", "/update_weights", {"path": "x" * 9 * 2**20}, auth),
         ("update, no secret", "/update_weights", {"path": "step_1"}, {}),
         ("update, wrong secret", "/update_weights", {"path": "step_1"}, {"Authorization": "Bearer nope"}),
         ("reload, no secret", "/reload_weights", None, {}),
@@ -213,9 +239,35 @@ def test_error_codes_and_bodies_match_the_hf_server(
             kwargs["json"] = body
         ours, theirs = vllm_client.post(route, **kwargs), hf_client.post(route, **kwargs)
         assert ours.status_code == theirs.status_code, (name, ours.json(), theirs.json())
-        assert ours.status_code >= 400, name
+        assert 400 <= ours.status_code < 500, (name, ours.json())
         assert (
             set(ours.json()["error"]) == set(theirs.json()["error"]) == {"message", "type", "param", "code"}
         )
         assert ours.json()["error"]["code"] == ours.status_code
         assert SECRET not in ours.text, name
+
+
+def test_vllm_routes_need_the_secret_too(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PC_TEST_SECRET", SECRET)
+    client = _app(root, FakeEngine(), secret_env="PC_TEST_SECRET")
+    for headers in ({}, {"Authorization": "Bearer nope"}):
+        response = client.get("/v1/models", headers=headers)  # one of vLLM's own routes
+        assert response.status_code == 401 and response.json()["error"]["code"] == 401
+    assert client.get("/v1/models", headers={"Authorization": f"Bearer {SECRET}"}).status_code == 200
+    assert client.get("/health").status_code == 200  # the one open route
+
+
+def test_bodies_over_the_limit_never_reach_vllm(root: Path) -> None:
+    app = Starlette(routes=[Route("/v1/completions", lambda _r: JSONResponse({}), methods=["POST"])])
+    app.state.engine_client = FakeEngine()
+    settings = {
+        "broadcast_root": str(root),
+        "secret_env": None,
+        "served_model_name": "m",
+        "max_request_bytes": 1024,
+    }
+    app.add_middleware(AdminRoutesMiddleware, settings=settings)
+    client = TestClient(app)
+    assert client.post("/v1/completions", content=b"x" * 1024).status_code == 200
+    response = client.post("/v1/completions", content=b"x" * 1025)
+    assert response.status_code == 413 and "max_request_bytes = 1024" in response.json()["error"]["message"]

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import prime_composer
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.inference.vllm import extension
 from prime_composer.inference.vllm.admin import SETTINGS_ENV
@@ -90,6 +91,8 @@ def test_command_line(tmp_path: Path) -> None:
         "--max-model-len": "4096",
         "--gpu-memory-utilization": "0.8",
         "--enforce-eager": True,
+        "--enable-auto-tool-choice": True,
+        "--tool-call-parser": "hermes",
         "--max-num-seqs": "64",
     }
 
@@ -120,6 +123,8 @@ def test_classes_named_on_the_command_line_exist() -> None:
         ("--middleware", "set by the backend"),
         ("--logprobs-mode=raw_logprobs", "set by the backend"),
         ("-tp", "tensor_parallel_size"),
+        ("--tool-call-parser=llama3_json", "inference.tool_call_parser"),
+        ("--enable-auto-tool-choice", "inference.tool_call_parser"),
     ],
 )
 def test_extra_args_may_not_override_the_backend(arg: str, names: str) -> None:
@@ -138,17 +143,41 @@ def test_gguf_and_missing_interpreter_are_refused(tmp_path: Path) -> None:
     assert resolve_python(_config(tmp_path, vllm={"python": str(venv)})) == venv / "bin" / "python"
 
 
+def test_client_chat_templates_need_the_config_flag(tmp_path: Path) -> None:
+    assert "--trust-request-chat-template" not in build_vllm_command(_config(tmp_path), "/m")
+    allowed = build_vllm_command(_config(tmp_path, allow_client_chat_template=True), "/m")
+    assert "--trust-request-chat-template" in allowed
+    with pytest.raises(ValueError, match="allow_client_chat_template"):
+        check_extra_args(["--trust-request-chat-template"])
+
+
+def test_tool_call_parser_names_vllms_parser_of_the_same_format(tmp_path: Path) -> None:
+    options = _options(build_vllm_command(_config(tmp_path, tool_call_parser="hermes"), "/m"))
+    assert options["--tool-call-parser"] == "hermes" and options["--enable-auto-tool-choice"] is True
+    off = build_vllm_command(_config(tmp_path, tool_call_parser="none"), "/m")
+    assert "--tool-call-parser" not in off and "--enable-auto-tool-choice" not in off
+
+
 def test_environment_carries_admin_settings_but_not_the_secret(tmp_path: Path) -> None:
-    config = _config(tmp_path, secret_env="MY_SECRET", vllm={"env": {"VLLM_CPU_KVCACHE_SPACE": "2"}})
-    env = build_vllm_env(config, base_env={"MY_SECRET": "hunter2", "PATH": "/bin"})
+    config = _config(
+        tmp_path,
+        secret_env="MY_SECRET",
+        max_request_bytes=4096,
+        vllm={"env": {"VLLM_CPU_KVCACHE_SPACE": "2"}},
+    )
+    env = build_vllm_env(config, base_env={"MY_SECRET": "hunter2", "PATH": "/bin", "PYTHONPATH": "/x"})
     settings = json.loads(env[SETTINGS_ENV])
     assert settings == {
         "broadcast_root": str((tmp_path / "run" / "broadcasts").resolve()),
         "secret_env": "MY_SECRET",
         "served_model_name": "org/model",
+        "max_request_bytes": 4096,
     }
     assert "hunter2" not in env[SETTINGS_ENV]
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["PATH"] == "/bin"
+    # vLLM's processes import this checkout's prime_composer, whatever their environment holds.
+    source = Path(prime_composer.__file__).resolve().parent.parent
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(source), "/x"]
 
 
 def test_extension_hands_the_published_tensors_to_vllms_reload(tmp_path: Path, monkeypatch) -> None:
@@ -170,7 +199,7 @@ def test_extension_hands_the_published_tensors_to_vllms_reload(tmp_path: Path, m
             self.calls.append({"weights": loaded, "checkpoint_format": is_checkpoint_format})
 
     worker = FakeWorker()
-    assert worker.prime_composer_load_weights(str(path)) == 2
+    assert worker.prime_composer_load_weights(str(path)) == {"num_tensors": 2}
     (call,) = worker.calls
     assert call["checkpoint_format"] is True
     assert call["weights"].keys() == state_dict.keys()
@@ -179,10 +208,10 @@ def test_extension_hands_the_published_tensors_to_vllms_reload(tmp_path: Path, m
     worker.prime_composer_reload_base_weights()
     assert worker.calls[-1]["weights"] is None
     assert refreshed == ["the-model", "the-model"]
-    # An incomplete step (no STABLE marker) is never loaded.
+    # An incomplete step (no STABLE marker) is refused before vLLM's reload is called.
     (path / "STABLE").unlink()
-    with pytest.raises(FileNotFoundError, match="STABLE"):
-        worker.prime_composer_load_weights(str(path))
+    refused = worker.prime_composer_load_weights(str(path))
+    assert "STABLE" in refused["refused"] and len(worker.calls) == 2
 
 
 # --- serve_vllm against a fake vLLM ------------------------------------------------------------

@@ -3,6 +3,8 @@
 Rules every config model follows (they make ``--help`` and the error messages work):
 
 - unknown keys are errors (``extra="forbid"``), so a typo never silently does nothing;
+- numbers are numbers: ``inf``/``nan`` are refused (``allow_inf_nan=False``) and so is a boolean
+  where a number is expected (pydantic would read ``max_steps = true`` as 1);
 - every field has a docstring directly under it: it becomes the field's description and the
   user's documentation in ``--help``;
 - no torch import anywhere under ``config/``.
@@ -10,10 +12,21 @@ Rules every config model follows (they make ``--help`` and the error messages wo
 
 from __future__ import annotations
 
+import types
+import typing
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+
+def _is_number(annotation: Any) -> bool:
+    if annotation in (int, float):
+        return True
+    args = typing.get_args(annotation)
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and any(
+        a in (int, float) for a in args
+    )
 
 
 class BaseConfig(BaseModel):
@@ -24,7 +37,23 @@ class BaseConfig(BaseModel):
         validate_assignment=True,
         use_attribute_docstrings=True,
         protected_namespaces=(),
+        allow_inf_nan=False,
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            field = cls.model_fields.get(info.field_name)
+            if (
+                field is not None
+                and _is_number(field.annotation)
+                and bool not in typing.get_args(field.annotation)
+            ):
+                raise ValueError(
+                    f"a boolean ({str(value).lower()}) where a number is expected: give a number"
+                )
+        return value
 
 
 class ModelConfig(BaseConfig):
@@ -65,16 +94,10 @@ class CheckpointConfig(BaseConfig):
     resume_step: int | None = Field(default=None, ge=0)
     """Continue from this step's checkpoint instead of the newest one (implies ``resume``)."""
 
+    parts: tuple[str, ...] = ("trainer", "orchestrator")
+    """The parts every complete checkpoint of the run has (one per process that checkpoints); ``rl``
+    sets it from the run's processes (``config/processes.py``), so leave it alone. A step is resumed
+    from only when all of them are complete and verify."""
 
-SHARED_KEYS: tuple[str, ...] = (
-    "model",
-    "output_dir",
-    "max_steps",
-    "seed",
-    "max_async_level",
-    "ckpt",
-    "transport",
-)
-"""Top-level keys of ``RLConfig`` copied into every section that has a field of the same name."""
 
 DEFAULT_OUTPUT_DIR = Path("outputs/run")

@@ -18,6 +18,7 @@ environment variable), the dotted key, the bad value and the nearest valid key.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tomllib
 import types
@@ -29,13 +30,24 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
+from pydantic_settings.exceptions import SettingsError
 
-from prime_composer.config.errors import ConfigError, did_you_mean
+from prime_composer.config.errors import RUN_ERROR_EXIT_CODE, ConfigError, RunError, did_you_mean
 
 M = TypeVar("M", bound=BaseModel)
 
 _HELP_FLAGS = ("-h", "--help")
 COMMAND_LINE = "command line"
+MAX_INCLUDE_DEPTH = 32
+"""Deepest chain of ``include`` files (a deeper one is almost surely a generated mistake)."""
+
+NON_CONFIG_VARIABLES = (
+    "PRIME_COMPOSER_INFERENCE_API_KEY",
+    "PRIME_COMPOSER_CACHE",
+    "PRIME_COMPOSER_LOG_LEVEL",
+    "PRIME_COMPOSER_VLLM_ADMIN",
+)
+"""Environment variables with the config prefix that are not config keys (prefixes of names)."""
 
 
 @dataclass
@@ -189,7 +201,18 @@ def load_file(path: Path, *, origin: str, _stack: tuple[Path, ...] = ()) -> Laye
     if resolved in _stack:
         chain = " -> ".join(str(p) for p in (*_stack, resolved))
         raise ConfigError(f"{path}: include cycle: {chain}")
-    text = path.read_text()
+    if len(_stack) >= MAX_INCLUDE_DEPTH:
+        raise ConfigError(
+            f"{path}: included {len(_stack)} files deep (more than {MAX_INCLUDE_DEPTH}); flatten the include chain"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{origin}: config file '{path}' cannot be read: {e.strerror or e}") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
@@ -226,19 +249,43 @@ def _scoped(layer: Layer, scope: str) -> Layer:
 
 
 def env_layer(model: type[BaseModel], prefix: str) -> Layer:
-    """Values from ``<prefix><KEY>__<SUB>`` environment variables, read by pydantic-settings."""
+    """Values from ``<prefix><KEY>__<SUB>`` environment variables, read by pydantic-settings.
+
+    Every variable with the prefix must name a key (a typo is an error at any depth, not a
+    silently ignored setting), and a section given as JSON must be valid JSON.
+    """
+    _check_env_names(model, prefix)
     source = EnvSettingsSource(
         model,  # type: ignore[arg-type]  # works on any BaseModel, given the settings explicitly
         env_prefix=prefix,
         env_nested_delimiter="__",
         case_sensitive=False,
     )
-    values = source()
+    try:
+        values = source()
+    except SettingsError as e:
+        field_name = str(e).split('"')[1] if '"' in str(e) else "?"
+        raise ConfigError(
+            f"environment variable {prefix}{field_name.upper()}: not valid JSON for the section "
+            f"{field_name!r} ({e.__cause__ or e}); give its keys one by one "
+            f"({prefix}{field_name.upper()}__<KEY>=...) or fix the JSON"
+        ) from None
     origins = {
         dotted: f"environment variable {prefix}{dotted.replace('.', '__').upper()}"
         for dotted in _flatten(values)
     }
     return Layer(values=values, origins=origins)
+
+
+def _check_env_names(model: type[BaseModel], prefix: str) -> None:
+    for name in os.environ:
+        if not name.upper().startswith(prefix.upper()) or name.upper().startswith(NON_CONFIG_VARIABLES):
+            continue
+        rest = name[len(prefix) :]
+        if not rest:
+            continue
+        dotted = ".".join(part.lower() for part in rest.split("__"))
+        resolve_field(model, dotted, f"environment variable {name}")
 
 
 # ---------------------------------------------------------------------------------- command line
@@ -365,7 +412,14 @@ def format_validation_error(error: ValidationError, model: type[BaseModel], orig
         loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
         dotted = ".".join(str(p) for p in loc)
         origin = origin_of(dotted, origins)
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden" and len(loc) == 2 and str(loc[1]) in model.model_fields:
+            # e.g. an [orchestrator] table in a file given with --trainer @: read inside trainer.
+            lines.append(
+                f"{origin}: unknown key {dotted!r}: [{loc[1]}] is a section of the whole config, but this "
+                f"file's keys are read inside [{loc[0]}]; give the file with '@ file' (unscoped), or move "
+                f"[{loc[1]}] to a file given with '--{loc[1]} @ file'"
+            )
+        elif err["type"] == "extra_forbidden":
             parent = _model_at(model, loc[:-1])
             prefix = ".".join(str(p) for p in loc[:-1])
             candidates = [f"{prefix}.{f}" if prefix else f for f in (parent.model_fields if parent else [])]
@@ -374,8 +428,12 @@ def format_validation_error(error: ValidationError, model: type[BaseModel], orig
             lines.append(f"{origin}: {dotted} is required but was not set")
         else:
             value = err.get("input")
-            shown = repr(value) if not isinstance(value, dict) else "{...}"
-            lines.append(f"{origin}: {dotted or '<root>'} = {shown}: {err['msg']}")
+            message = err["msg"].removeprefix("Value error, ")
+            if isinstance(value, dict) and err["type"] == "value_error":
+                lines.append(f"{origin}: {message}")  # a check across a section's fields names them
+            else:
+                shown = "{...}" if isinstance(value, dict) else repr(value)
+                lines.append(f"{origin}: {dotted or '<root>'} = {shown}: {message}")
     return "\n".join(lines)
 
 
@@ -433,10 +491,16 @@ def run_entry_point(
         print(render_help(model, prog=prog, describe=describe, env_prefix=env_prefix, aliases=aliases))
         return 0
     if options.dry_run:
-        print(json.dumps(config.model_dump(mode="json"), indent=2))
+        try:
+            print(json.dumps(config.model_dump(mode="json"), indent=2), flush=True)
+        except BrokenPipeError:  # `rl ... --dry-run | head`: the reader has what it wanted
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (so the interpreter's flush at exit is quiet)
         return 0
     try:
         return main(config) or 0
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return RUN_ERROR_EXIT_CODE

@@ -1,8 +1,9 @@
 """Config of the environments the orchestrator samples from, and of sampling itself.
 
 ``[[orchestrator.env]]`` entries name a verifiers v1 environment (a taskset package) and the
-arguments of its taskset config; ``[orchestrator.sampling]`` holds the knobs sent with every
-chat-completions request. No verifiers import here: the ids are resolved by
+arguments of its taskset config, and, for environments whose episodes use tools, the limits of
+the agent loop (``[orchestrator.env.agent]``); ``[orchestrator.sampling]`` holds the knobs sent
+with every model call. No verifiers import here: the ids are resolved by
 ``prime_composer.orchestrator.envs`` when the orchestrator starts.
 """
 
@@ -10,9 +11,64 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_composer.config.base import BaseConfig
+from prime_composer.config.client import RetryConfig
+from prime_composer.config.sandbox import SandboxConfig, ToolsConfig
+
+
+class AgentLoopConfig(BaseConfig):
+    """The multi-turn, tool-using episode loop (``orchestrator/episode.py``): its budgets, how tool
+    calls are read from the model's text, and the sandbox the tools run in.
+
+    An episode ends when the model replies without a tool call, or at the first budget it reaches:
+    ``max_turns`` model calls, ``max_context_tokens`` in one call's context, ``max_episode_tokens``
+    sampled tokens, or ``time_limit_s`` of wall time. Every ending is recorded on the samples
+    (``info["stop"]``); one that comes from a budget marks them truncated.
+    """
+
+    max_turns: int = Field(default=16, ge=1)
+    """Most model calls per episode."""
+
+    max_context_tokens: int | None = Field(default=None, ge=16)
+    """Most tokens of one model call's context (prompt + the reply it may write); ``None`` is the
+    server's own limit (``max_model_len`` from ``/v1/models``). Each reply is also capped by
+    ``orchestrator.sampling.max_tokens``."""
+
+    max_episode_tokens: int | None = Field(default=None, ge=1)
+    """Most tokens the model may sample over the whole episode; ``None``: no budget beyond the others."""
+
+    time_limit_s: float = Field(default=300.0, gt=0)
+    """Wall-clock budget of the loop (model calls and tools). Checked before every model call and
+    tool call, so it must sit below ``orchestrator.rollout.timeout_s``, which kills the episode
+    outright."""
+
+    tool_call_format: str = "hermes"
+    """How tool calls are written in the model's text (a parser of ``prime_composer.tool_calls``:
+    ``hermes`` is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``)."""
+
+    max_tool_calls_per_turn: int = Field(default=8, ge=1)
+    """Tool calls run from one reply; further ones get an error result instead of running."""
+
+    render_tools: bool = True
+    """Pass the tool definitions to the chat template (``apply_chat_template(..., tools=...)``);
+    templates without tool support ignore them, so environments also describe their tools in the
+    prompt."""
+
+    tokenizer: str | None = None
+    """Tokenizer (and chat template) to render with; ``None`` is the policy model's. Set it when
+    the served model name is not a loadable model (a scripted test server, say)."""
+
+    tools: ToolsConfig = ToolsConfig()
+    """Output caps of the coding tools; which tools are offered is each task's choice."""
+
+    sandbox: SandboxConfig = SandboxConfig()
+    """Where and how tool calls and test runs execute (see ``prime_composer.sandbox``)."""
+
+    request: RetryConfig = RetryConfig(timeout_s=300.0, max_retries=2)
+    """Time limit and retries of one token-in model call (``/inference/v1/generate``); a call that
+    still fails makes the episode an error sample."""
 
 
 class EnvConfig(BaseConfig):
@@ -39,6 +95,11 @@ class EnvConfig(BaseConfig):
     ratio: float = Field(default=1.0, gt=0)
     """Relative share of training examples drawn from this environment when several are listed;
     shares are normalized over all entries."""
+
+    agent: AgentLoopConfig | None = None
+    """The agent loop of environments whose tasks use tools (their task data is an
+    ``AgentTaskData``); ``None`` uses its defaults there. Episodes of other environments are one
+    chat call each, and setting this for them is an error."""
 
     @property
     def label(self) -> str:
@@ -76,7 +137,7 @@ class SamplingConfig(BaseConfig):
     stop: list[str] | None = None
     """Extra stop strings; the chat template's end-of-turn token always stops."""
 
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     """When set, every request carries its own seed derived from this one, the example and the
     rollout index (reproducible sampling); ``None`` sends no seed."""
 
@@ -85,6 +146,13 @@ class SamplingConfig(BaseConfig):
 
     extra_body: dict[str, Any] = Field(default_factory=dict)
     """Further request fields passed through unchanged (server-specific knobs)."""
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: list[str] | None) -> list[str] | None:
+        if stop is not None and any(s == "" for s in stop):
+            raise ValueError('an empty stop string would end every completion at once: remove ""')
+        return stop
 
 
 class RolloutConfig(BaseConfig):

@@ -1,4 +1,4 @@
-"""The one exception type for user mistakes in configs and command lines."""
+"""The exception types entry points turn into one-line errors: config mistakes and failed runs."""
 
 from __future__ import annotations
 
@@ -13,6 +13,16 @@ class ConfigError(Exception):
     key, the bad value, and how to fix it. Entry points print it on one line and exit 2, with no
     traceback.
     """
+
+
+class RunError(Exception):
+    """A run that must stop, and why: every rollout failed, nothing trainable for several steps,
+    the policy diverged. Its message says which and what to change. Entry points print it on one
+    line and exit with ``RUN_ERROR_EXIT_CODE``, which tells the launcher that resuming the run as
+    it is would fail the same way."""
+
+
+RUN_ERROR_EXIT_CODE = 3
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:

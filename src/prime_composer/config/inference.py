@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, ModelConfig
+from prime_composer.tool_calls import DEFAULT_PARSER, PARSERS
 
 
 class VLLMConfig(BaseConfig):
@@ -58,8 +59,37 @@ class InferenceConfig(BaseConfig):
     """TCP port of the OpenAI-compatible API."""
 
     secret_env: str | None = None
-    """Name of the environment variable holding the shared secret that admin endpoints
-    (``/update_weights``, ``/reload_weights``) require as ``Authorization: Bearer <secret>``."""
+    """Name of the environment variable holding the shared secret. When set, every route except
+    ``/health`` (generation, ``/v1/models``, ``/update_weights``, ``/reload_weights``) requires
+    ``Authorization: Bearer <secret>``; required when ``host`` is not loopback."""
+
+    max_request_bytes: int = Field(default=8 * 2**20, ge=1024)
+    """Largest request body accepted, in bytes (default 8 MiB); a larger one is answered 413
+    before it is read whole. Both backends."""
+
+    allow_client_chat_template: bool = False
+    """Let chat requests bring their own Jinja chat template (``chat_template``, top level or in
+    ``chat_template_kwargs``). Off, such a request is a 400: a template is a program the server
+    runs (it can loop for seconds). Turn on only when every client is trusted. Both backends
+    (vLLM's ``--trust-request-chat-template``)."""
+
+    preprocess_timeout_s: float = Field(default=10.0, gt=0)
+    """``hf`` backend: time limit for rendering one request's chat template and tokenizing its
+    prompt(s), waiting for a free preprocessing thread included. Past it the request is answered
+    413 (it was still being processed: too large) or 429 (it never got a thread: retry later)."""
+
+    num_preprocess_threads: int = Field(default=2, ge=1)
+    """``hf`` backend: threads that render chat templates and tokenize prompts, off the event loop
+    (the Rust tokenizer releases the GIL, so they run in parallel with serving)."""
+
+    tool_call_parser: str | None = DEFAULT_PARSER
+    """How the model writes tool calls: a format of ``prime_composer.tool_calls`` (``hermes``:
+    ``<tool_call>{json}</tool_call>``, Hermes / Qwen 2.5 / Qwen 3). Chat requests with ``tools`` get
+    the calls back in ``message.tool_calls`` (``delta.tool_calls`` when streamed) with
+    ``finish_reason = "tool_calls"``; ``tool_choice`` may be ``auto``, ``none``, ``required`` or a
+    named function. ``hf``: the server parses the reply with this parser; ``vllm``: vLLM starts with
+    ``--enable-auto-tool-choice --tool-call-parser`` and its parser of the same format. ``"none"``:
+    no parsing; requests with tools may only use ``tool_choice = "none"`` (the reply is text)."""
 
     model: ModelConfig = ModelConfig()
     """Shared with the other processes (set it at the top level)."""
@@ -95,3 +125,12 @@ class InferenceConfig(BaseConfig):
 
     vllm: VLLMConfig = VLLMConfig()
     """``vllm`` backend settings (interpreter, parallelism, memory, extra server arguments)."""
+
+    @field_validator("tool_call_parser", mode="before")
+    @classmethod
+    def _known_parser(cls, value: object) -> object:
+        if value == "none":  # TOML has no null
+            return None
+        if isinstance(value, str) and value not in PARSERS:
+            raise ValueError(f"unknown tool-call format {value!r}; choose one of {sorted(PARSERS)} or 'none'")
+        return value

@@ -1,7 +1,8 @@
 """Config of the trainer's loss terms: the RL (policy-gradient) term and the SDPO distillation term.
 
-The objective is ``L_rl + sdpo.weight * L_sdpo`` (plus the replay term, configured elsewhere); each
-term is normalized by its own global count (see ``prime_composer.trainer.losses``). The sampling
+The objective is ``sum_k loss.<k>.weight * L_k`` over the sections below (``rl`` with weight 1, plus
+``sdpo.weight * L_sdpo``, later the replay term); each term is normalized by its own global count.
+Every section is a loss term of ``trainer/losses/`` registered under the section's name. The sampling
 temperature is deliberately not here: it belongs to the sampling config and the trainer passes the
 same value to every loss so that trainer and inference logprobs describe the same distribution.
 """
@@ -13,15 +14,19 @@ from typing import Literal, Self
 from pydantic import Field, model_validator
 
 from prime_composer.config.base import BaseConfig
+from prime_composer.config.dpo import DPOLossConfig
 
 
 class RLLossConfig(BaseConfig):
     """Clipped importance-weighted policy gradient (GRPO / DAPO / Dr. GRPO / GSPO variants)."""
 
+    weight: float = Field(default=1.0, ge=0.0)
+    """Weight of the RL term in the objective; 0 turns it off (e.g. distillation only)."""
+
     eps_low: float = Field(default=0.2, ge=0.0, lt=1.0)
     """Lower clip: the ratio is clipped at ``1 - eps_low`` (only binds for negative advantages)."""
 
-    eps_high: float = Field(default=0.28, ge=0.0)
+    eps_high: float = Field(default=0.28, ge=0.0, le=10.0)
     """Upper clip: the ratio is clipped at ``1 + eps_high`` (DAPO clip-higher: larger than ``eps_low``
     lets rare tokens with positive advantage grow faster)."""
 
@@ -47,8 +52,8 @@ class RLLossConfig(BaseConfig):
     """Tokens whose ratio (at ``ratio_level``) is above this get no policy gradient. None = off."""
 
     kl_coef: float = Field(default=0.0, ge=0.0)
-    """Weight of the k3 KL estimate to a reference model, added per token. 0 = off: no reference
-    model is loaded and no reference forward runs."""
+    """Weight of the k3 KL estimate to the reference model (the run's initial policy), added per
+    token (TRL's ``beta``). 0 = off: no reference copy is made and no reference forward runs."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -121,3 +126,7 @@ class LossConfig(BaseConfig):
 
     sdpo: SDPOLossConfig = SDPOLossConfig()
     """The SDPO hint-distillation term (off while ``weight = 0``)."""
+
+    replay: DPOLossConfig = DPOLossConfig()
+    """The replay term: DPO on the teacher service's pairs (off while ``weight = 0``; needs
+    ``orchestrator.replay.enabled``)."""

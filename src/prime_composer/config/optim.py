@@ -28,6 +28,11 @@ class OptimConfig(BaseConfig):
     """Clip the global gradient norm (over all ranks) to this value; 0 disables clipping (the norm
     is still computed and logged)."""
 
+    defer_grad_sync: bool = False
+    """FSDP gradient accumulation: reduce-scatter gradients once, after a step's last micro-batch
+    (fewer collectives, but every rank holds full-size unsharded gradients meanwhile), instead of
+    after every micro-batch (the default: sharded gradients only). No effect on one rank."""
+
     warmup_steps: int = Field(default=0, ge=0)
     """Steps of linear warmup: step ``s`` (0-based) uses ``lr * (s + 1) / warmup_steps``."""
 

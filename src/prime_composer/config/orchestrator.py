@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from prime_composer.config.advantage import AdvantageConfig
-from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, CheckpointConfig, ModelConfig
+from prime_composer.config.base import BaseConfig
+from prime_composer.config.common import CommonConfig
 from prime_composer.config.env import EnvConfig, RolloutConfig, SamplingConfig
 from prime_composer.config.sdpo import HintConfig
-from prime_composer.config.transport import TransportConfig
+
+MIN_TRAIN_TOP_P = 0.05
+"""Smallest nucleus for training rollouts (below it the rollouts of a group are all alike)."""
 
 
 class EvalConfig(BaseConfig):
@@ -26,29 +30,43 @@ class EvalConfig(BaseConfig):
     """Sampling temperature for evaluation; 0 is greedy."""
 
 
-class OrchestratorConfig(BaseConfig):
+class ReplaySourceConfig(BaseConfig):
+    """The replay channel's side of the orchestrator: DPO pairs from the teacher service's store,
+    mixed into every batch (the loss side is ``trainer.loss.replay``; both must be on together)."""
+
+    enabled: bool = False
+    """Mix pairs into batches."""
+
+    store: Path | None = None
+    """The teacher service's SQLite store; None: ``<output_dir>/teacher/teacher.sqlite``."""
+
+    pairs_per_step: int = Field(default=8, ge=1)
+    """Pairs taken per step, oldest first (fewer when fewer are ready; none is reused)."""
+
+    send_traces: bool = True
+    """Post each step's rollouts to the teacher service as traces to replay (when ``rl`` runs one)."""
+
+    teacher_url: str | None = None
+    """The teacher service's address (``rl`` sets it from ``[teacher]``); None sends no traces."""
+
+    teacher_secret_env: str | None = None
+    """Name of the variable with the teacher service's secret (``rl`` copies ``teacher.secret_env``)."""
+
+
+class FailureConfig(BaseConfig):
+    """When the orchestrator stops the run instead of training on (almost) nothing."""
+
+    max_error_fraction: float = Field(default=1.0, gt=0, le=1)
+    """Stop the run when at least this fraction of a step's rollouts failed (1.0: only when every
+    one did). Failed rollouts are recorded and left out either way."""
+
+    max_empty_steps: int = Field(default=3, ge=1)
+    """Stop the run after this many steps in a row with no sample to train on (every group failed,
+    had equal rewards, or was too stale)."""
+
+
+class OrchestratorConfig(CommonConfig):
     """The orchestrator: samples rollouts, scores them, computes advantages, packs batches."""
-
-    model: ModelConfig = ModelConfig()
-    """Shared with the other processes (set it at the top level)."""
-
-    output_dir: Path = DEFAULT_OUTPUT_DIR
-    """Shared run directory."""
-
-    max_steps: int = Field(default=20, ge=1)
-    """Shared: number of training steps to produce batches for."""
-
-    seed: int = 0
-    """Shared seed for data order and sampling."""
-
-    max_async_level: int = Field(default=1, ge=0)
-    """Shared: never sample with weights more than this many steps behind the batch's step."""
-
-    ckpt: CheckpointConfig = CheckpointConfig()
-    """Shared checkpoint settings."""
-
-    transport: TransportConfig = TransportConfig()
-    """Shared: how batches reach the trainer."""
 
     base_url: str = "http://127.0.0.1:8000/v1"
     """OpenAI-compatible endpoint of the inference server (the ``rl`` launcher sets it)."""
@@ -95,11 +113,54 @@ class OrchestratorConfig(BaseConfig):
     """Drop samples generated with weights more than this many steps older than the batch."""
 
     max_refill_rounds: int = Field(default=8, ge=0)
-    """Dynamic sampling: at most this many extra rounds of groups per step to replace groups whose
-    rewards were all equal; after that the step trains on what it has."""
+    """Groups that cannot be trained on (rewards all equal under dynamic sampling, every rollout
+    failed, too stale) are replaced by new ones; a step consumes at most ``(1 + max_refill_rounds)
+    x batch_size / group_size`` groups, then trains on what it has."""
+
+    max_inflight: int | None = Field(default=None, ge=1)
+    """Rollouts launched and not yet finished, across steps (queued ones included); groups for the
+    next steps start while the current step's slowest finish. None: ``batch_size x
+    (max_async_level + 1)``. Must hold at least one group (``group_size``)."""
+
+    replay: ReplaySourceConfig = ReplaySourceConfig()
+    """The replay channel: pairs from the teacher service mixed into every batch."""
+
+    failure: FailureConfig = FailureConfig()
+    """When a run that trains on nothing stops with an error instead of reporting success."""
 
     weights_poll_s: float = Field(default=0.1, gt=0)
     """How often to look for newly published weights while waiting for them."""
 
     weights_timeout_s: float = Field(default=3600.0, gt=0)
     """Give up (exit with an error) if the weights a step needs do not appear within this time."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"orchestrator.batch_size ({self.batch_size}) must be a multiple of orchestrator.group_size "
+                f"({self.group_size}): every step trains on whole groups (e.g. batch_size = "
+                f"{max(1, self.batch_size // self.group_size) * self.group_size})"
+            )
+        if self.group_size < 2:
+            raise ValueError(
+                "orchestrator.group_size = 1: advantages are relative to the other rollouts of a group, so "
+                "every sample would get advantage 0 and nothing would be learned; use group_size >= 2"
+            )
+        if self.sampling.temperature == 0:
+            raise ValueError(
+                "orchestrator.sampling.temperature = 0 (greedy) gives no distribution to compute the "
+                "policy-gradient ratios with; train with temperature > 0 (greedy evaluation is "
+                "orchestrator.eval.temperature)"
+            )
+        if self.sampling.top_p < MIN_TRAIN_TOP_P:
+            raise ValueError(
+                f"orchestrator.sampling.top_p = {self.sampling.top_p} samples (nearly) greedily and every "
+                f"group's rollouts would be the same; use top_p >= {MIN_TRAIN_TOP_P} (1.0 samples the policy)"
+            )
+        if self.max_inflight is not None and self.max_inflight < self.group_size:
+            raise ValueError(
+                f"orchestrator.max_inflight = {self.max_inflight} cannot hold one group of "
+                f"group_size = {self.group_size} rollouts: raise it to at least {self.group_size}"
+            )
+        return self

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from prime_composer.config.cli import CliOptions, build_config, origin_of
 from prime_composer.config.errors import ConfigError
+from prime_composer.config.processes import SECTION_NAMES, checkpoint_parts
 from prime_composer.config.rl import RLConfig
 from prime_composer.config.shared import unify_shared_keys
 
@@ -17,9 +18,14 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
     """Shared keys, then the wiring between processes the user should not have to repeat."""
     config = unify_shared_keys(config, origins)
     if config.ckpt.resume_step is not None and not config.ckpt.resume:
-        config.ckpt.resume = True
-        for section in (config.trainer, config.orchestrator):
-            section.ckpt.resume = True
+        set_shared(config, "ckpt.resume", True)
+    parts = checkpoint_parts(config)
+    if "ckpt.parts" in origins and tuple(config.ckpt.parts) != parts:
+        raise ConfigError(
+            f"{origins['ckpt.parts']}: ckpt.parts = {list(config.ckpt.parts)} but this run's processes write "
+            f"{list(parts)}; remove ckpt.parts (rl sets it)"
+        )
+    set_shared(config, "ckpt.parts", parts)
     _copy_into(config, "trainer.num_ranks", "orchestrator.num_train_ranks", origins)
     _copy_into(config, "inference.secret_env", "orchestrator.inference_secret_env", origins)
     if config.transport.keep_last_steps <= config.max_async_level:
@@ -29,6 +35,8 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
             f"or the trainer could miss a step the orchestrator already deleted"
         )
     _check_sdpo(config, origins)
+    _check_replay(config, origins)
+    _copy_diloco(config, origins)
     inference = config.inference
     expected = f"http://{_client_host(inference.host)}:{inference.port}/v1"
     if "base_url" in config.orchestrator.model_fields_set and config.orchestrator.base_url != expected:
@@ -40,6 +48,63 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
         )
     config.orchestrator.base_url = expected
     return config
+
+
+def set_shared(config: RLConfig, dotted: str, value: object) -> None:
+    """Set a shared key (``"ckpt.resume"``) at the top level and in every section that has it."""
+    *parents, leaf = dotted.split(".")
+    for holder in [config, *(getattr(config, name) for name in SECTION_NAMES)]:
+        node = holder
+        for part in parents:
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        if node is not None and leaf in type(node).model_fields:
+            setattr(node, leaf, value)
+
+
+def _check_replay(config: RLConfig, origins: dict[str, str]) -> None:
+    """The replay channel, like SDPO, needs both halves; the orchestrator learns where the teacher
+    service listens (it posts its rollouts there as traces)."""
+    enabled = config.orchestrator.replay.enabled
+    weight = config.trainer.loss.replay.weight
+    if enabled and weight == 0:
+        raise ConfigError(
+            f"{origin_of('orchestrator.replay.enabled', origins)}: orchestrator.replay.enabled = true but "
+            "trainer.loss.replay.weight = 0, so the pairs would never be trained on: set "
+            "trainer.loss.replay.weight > 0 (e.g. 0.05) or orchestrator.replay.enabled = false"
+        )
+    if weight > 0 and not enabled:
+        raise ConfigError(
+            f"{origin_of('trainer.loss.replay.weight', origins)}: trainer.loss.replay.weight = {weight} but "
+            "orchestrator.replay.enabled = false, so no batch would ever carry a pair: set "
+            "orchestrator.replay.enabled = true or trainer.loss.replay.weight = 0"
+        )
+    teacher = config.teacher
+    if teacher is not None:
+        config.orchestrator.replay.teacher_url = f"http://{_client_host(teacher.host)}:{teacher.port}"
+        config.orchestrator.replay.teacher_secret_env = teacher.secret_env
+
+
+def _copy_diloco(config: RLConfig, origins: dict[str, str]) -> None:
+    """``[diloco]`` runs in the trainer: set at the top level (each data center's file swaps it) or
+    in the trainer's section (``--trainer @ t.toml``), and then it must be the same in both. The
+    shardcast backend needs one trainer rank per data center for now."""
+    top_set = any(key == "diloco" or key.startswith("diloco.") for key in origins)
+    section_keys = [key for key in origins if key == "trainer.diloco" or key.startswith("trainer.diloco.")]
+    if section_keys and top_set and config.trainer.diloco != config.diloco:
+        raise ConfigError(
+            f"{origins[section_keys[0]]}: trainer.diloco differs from [diloco] "
+            f"({origin_of('diloco', origins)}); set it once, at the top level"
+        )
+    if section_keys and not top_set:
+        config.diloco = config.trainer.diloco
+    config.trainer.diloco = config.diloco
+    if config.diloco.enabled and config.diloco.backend == "shardcast" and config.trainer.num_ranks > 1:
+        raise ConfigError(
+            f'{origin_of("diloco.enabled", origins)}: diloco with backend = "shardcast" needs trainer.num_ranks = 1 '
+            f'per data center for now (it is {config.trainer.num_ranks}); or use backend = "torchft"'
+        )
 
 
 def _check_sdpo(config: RLConfig, origins: dict[str, str]) -> None:

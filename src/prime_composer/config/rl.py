@@ -7,11 +7,13 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, CheckpointConfig, ModelConfig
+from prime_composer.config.base import BaseConfig
+from prime_composer.config.common import CommonConfig
+from prime_composer.config.diloco import DilocoConfig
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.config.orchestrator import OrchestratorConfig
+from prime_composer.config.teacher import TeacherServiceConfig
 from prime_composer.config.trainer import TrainerConfig
-from prime_composer.config.transport import TransportConfig
 
 
 class LaunchConfig(BaseConfig):
@@ -67,7 +69,7 @@ class WarmupConfig(BaseConfig):
     reference answer first without becoming confident in it, which leaves RL room to improve."""
 
 
-class RLConfig(BaseSettings):
+class RLConfig(BaseSettings, CommonConfig):
     """Everything ``rl`` needs: shared keys at the top, one section per process.
 
     Shared keys (``model``, ``output_dir``, ``max_steps``, ``seed``, ``max_async_level``,
@@ -81,28 +83,8 @@ class RLConfig(BaseSettings):
         validate_assignment=True,
         use_attribute_docstrings=True,
         protected_namespaces=(),
+        allow_inf_nan=False,
     )
-
-    model: ModelConfig = ModelConfig()
-    """The policy model, for every process."""
-
-    output_dir: Path = DEFAULT_OUTPUT_DIR
-    """Run directory: configs/, logs/, metrics/, rollouts/, broadcasts/, checkpoints/."""
-
-    max_steps: int = Field(default=20, ge=1)
-    """Number of training steps."""
-
-    seed: int = 0
-    """Seed for initialisation, data order and sampling."""
-
-    max_async_level: int = Field(default=1, ge=0)
-    """How many steps the orchestrator may sample ahead of the trainer's weights (0 = on-policy)."""
-
-    ckpt: CheckpointConfig = CheckpointConfig()
-    """Checkpointing and resume."""
-
-    transport: TransportConfig = TransportConfig()
-    """How batches travel from the orchestrator to the trainer."""
 
     trainer: TrainerConfig = TrainerConfig()
     """The trainer process."""
@@ -112,6 +94,14 @@ class RLConfig(BaseSettings):
 
     inference: InferenceConfig = InferenceConfig()
     """The inference server process."""
+
+    teacher: TeacherServiceConfig | None = None
+    """The trace-replay teacher service, started by ``rl`` when this section is present (its pool
+    of teacher endpoints has no default): it replays rollouts and traces and writes DPO pairs that
+    ``orchestrator.replay`` mixes into batches."""
+
+    diloco: DilocoConfig = DilocoConfig()
+    """The optional Streaming DiLoCo outer loop: this run is one data center of several (``[diloco]``)."""
 
     warmup: WarmupConfig = WarmupConfig()
     """Optional SFT warm-up stage before RL."""

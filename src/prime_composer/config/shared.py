@@ -14,11 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from prime_composer.config.base import SHARED_KEYS
 from prime_composer.config.cli import origin_of
+from prime_composer.config.common import SHARED_KEYS
 from prime_composer.config.errors import ConfigError
-
-SECTIONS = ("trainer", "orchestrator", "inference")
+from prime_composer.config.processes import SECTION_NAMES as SECTIONS
 
 
 def _unify(
@@ -72,15 +71,16 @@ def _unify(
 def unify_shared_keys(config: Any, origins: dict[str, str]) -> Any:
     """Apply the rule above to every key in ``SHARED_KEYS``, in place; returns ``config``."""
     for key in SHARED_KEYS:
+        present = [s for s in SECTIONS if getattr(config, s) is not None]  # optional sections may be absent
         holders = [
             (section, getattr(config, section), True)
-            for section in SECTIONS
+            for section in present
             if key in type(getattr(config, section)).model_fields and section in config.model_fields_set
         ]
         # Sections never mentioned anywhere still take the shared value.
         passive = [
             (section, getattr(config, section), False)
-            for section in SECTIONS
+            for section in present
             if key in type(getattr(config, section)).model_fields and section not in config.model_fields_set
         ]
         _unify(config, key, True, holders + passive, key, origins)

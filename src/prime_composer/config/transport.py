@@ -5,12 +5,12 @@ Both processes must agree on it, so it belongs at the top level of the run confi
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from prime_composer.config.base import BaseConfig
+from prime_composer.netaddr import is_loopback
 
 
 class TransportConfig(BaseConfig):
@@ -43,18 +43,9 @@ class TransportConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _remote_needs_secret(self) -> TransportConfig:
-        if self.kind == "zmq" and not _is_loopback(self.host) and self.secret_env is None:
+        if self.kind == "zmq" and not is_loopback(self.host) and self.secret_env is None:
             raise ValueError(
                 f"transport.host = {self.host!r} is reachable from other machines: set "
                 "transport.secret_env to the name of an environment variable holding a shared secret"
             )
         return self
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name other than localhost: treat as remote
-        return False

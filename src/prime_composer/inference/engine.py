@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import threading
 from collections import deque
@@ -168,20 +169,25 @@ class Engine:
         prompt, params = request.prompt_ids, request.params
         if not prompt:
             raise ValueError("the prompt is empty: at least one token is needed")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"invalid prompt token ids {bad[:5]}: ids must be in [0, {self.vocab_size})")
-        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stop:
-            raise ValueError(f"invalid stop_token_ids {bad_stop[:5]}: ids must be in [0, {self.vocab_size})")
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}")
+        # The length first: it bounds the scans below (a huge token list is refused in O(1)).
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{len(prompt)} and max_tokens asks for {params.max_tokens} more "
                 f"({len(prompt) + params.max_tokens} in all): shorten the prompt or lower max_tokens"
             )
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"invalid prompt token ids {bad[:5]}: ids must be in [0, {self.vocab_size})")
+        if len(params.stop_token_ids) > self.vocab_size:
+            raise ValueError(
+                f"{len(params.stop_token_ids)} stop_token_ids for a vocabulary of {self.vocab_size}"
+            )
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"invalid stop_token_ids {bad_stop[:5]}: ids must be in [0, {self.vocab_size})")
         if not 1 <= params.n <= self.max_num_seqs:
             raise ValueError(
                 f"n must be in [1, {self.max_num_seqs}] (inference.max_num_seqs), got {params.n}"
@@ -455,6 +461,10 @@ class Engine:
             generators=[s.generator for s in rows],
             num_top=max(p.num_top_logprobs for p in params),
         )
+        if not all(map(math.isfinite, sampled.logprobs)):
+            # Never hand out a NaN logprob as data (JSON would carry it as null or NaN): the
+            # weights are broken (update_weights refuses non-finite ones, so this is a bug).
+            raise RuntimeError("the model produced non-finite logits (NaN or inf)")
         for i, seq in enumerate(rows):
             top = sampled.top_logprobs[i][: params[i].num_top_logprobs] if sampled.top_logprobs else []
             self._accept(seq, sampled.token_ids[i], sampled.logprobs[i], top)

@@ -6,11 +6,21 @@ Response shapes follow vLLM's: with ``return_token_ids`` a chat response has top
 chunk, delta ``token_ids`` on each); ``choices[i].logprobs.content[j].logprob`` is the processed
 (post-temperature) logprob of the sampled token; with ``return_tokens_as_token_ids`` tokens are
 written ``"token_id:<id>"``. The token-in endpoint always writes tokens that way. Logprobs are
-clamped at -9999.0 as vLLM does (JSON has no -inf). Streams end with a chunk carrying ``usage`` and
-then ``data: [DONE]``.
+clamped at -9999.0 as vLLM does (JSON has no -inf). Streams end with ``data: [DONE]``, preceded by
+a chunk carrying ``usage`` (and no choices) only when ``stream_options.include_usage`` is true, as
+OpenAI specifies.
 
-Not implemented (said so at run time, never silently): parsing tool calls or reasoning out of
-chat replies (``tools`` are rendered by the chat template; the reply is returned as text),
+Prompts are rendered and tokenized by ``preprocess.Preprocessor`` on its thread pool, never on
+the event loop.
+
+Tool calls (``tools``, ``tool_choice``; ``tools.py`` has the rules): a parsed choice's message has
+``tool_calls`` (``content`` is ``null`` when the reply was only calls) and the choice
+``num_malformed_tool_calls``. Streamed, content flows as it is generated except text that may
+still become a call; a call is sent once it is complete, as two deltas of ``delta.tool_calls``
+with its ``index``: ``id``, ``type`` and ``function.name`` (``arguments`` empty) first, then
+``function.arguments``. A streamed reply therefore adds up to exactly the non-streamed one.
+
+Not implemented (said so at run time, never silently): parsing reasoning out of chat replies,
 structured outputs, penalties, ``top_k``/``min_p``, ``echo``, multimodal input.
 """
 
@@ -30,6 +40,8 @@ from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
 from prime_composer.inference.engine import Engine
+from prime_composer.inference.guard import APIError
+from prime_composer.inference.preprocess import Preprocessor
 from prime_composer.inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,29 +50,33 @@ from prime_composer.inference.protocol import (
     sampling_params,
 )
 from prime_composer.inference.requests import ChoiceUpdate, GenerationRequest
+from prime_composer.inference.tools import ReplyReader, ToolCallStats, ToolPlan, plan_tools
+from prime_composer.tool_calls import DEFAULT_PARSER
 
 logger = logging.getLogger(__name__)
 
 LOGPROB_FLOOR = -9999.0
 
 
-class APIError(Exception):
-    """A client error, answered as ``{"error": {...}}`` with ``status``."""
-
-    def __init__(self, status: int, message: str, error_type: str = "BadRequestError") -> None:
-        super().__init__(message)
-        self.status, self.message, self.error_type = status, message, error_type
-
-
 @dataclass
 class ServingState:
-    """What the routes need: the engine, the tokenizer and the served model's identity."""
+    """What the routes need: the engine, the tokenizer, the preprocessor and the served model's
+    identity."""
 
     engine: Engine
     tokenizer: Any
     served_model_name: str
     model_root: str
+    preprocess: Preprocessor | None = None
+    """Renders and tokenizes prompts; ``None`` makes one with the default limits."""
+    tool_call_parser: str | None = DEFAULT_PARSER
+    """The ``tool_calls`` format replies to requests with tools are parsed with (``None``: none)."""
+    tool_stats: ToolCallStats = field(default_factory=ToolCallStats)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if self.preprocess is None:
+            self.preprocess = Preprocessor(self.tokenizer, max_model_len=self.engine.max_model_len)
 
 
 @dataclass
@@ -86,7 +102,8 @@ class _Choice:
 
 def openai_router(state: ServingState) -> APIRouter:
     router = APIRouter()
-    engine, tokenizer = state.engine, state.tokenizer
+    engine, tokenizer, preprocess = state.engine, state.tokenizer, state.preprocess
+    assert preprocess is not None  # set by ServingState.__post_init__
 
     def check_model(model: str | None) -> None:
         if model is not None and model != state.served_model_name:
@@ -137,23 +154,13 @@ def openai_router(state: ServingState) -> APIRouter:
             raise APIError(400, "continue_final_message needs add_generation_prompt = false")
         if body.response_format not in (None, {"type": "text"}):
             raise APIError(400, "response_format other than text is not supported by the hf backend")
-        if body.tools and body.tool_choice not in (None, "none", "auto"):
-            raise APIError(
-                400, f"tool_choice = {body.tool_choice!r} cannot be enforced by the hf backend; use 'auto'"
-            )
-        if body.tools:
-            _warn_once(
-                "tools",
-                "tools are rendered into the prompt by the chat template, but the hf backend does not parse "
-                "tool calls out of the reply: they come back as text in message.content (verifiers' train "
-                "client parses them client-side from the token ids)",
-            )
-        prompt_ids = render_chat(tokenizer, body)
+        plan = plan_tools(body, state.tool_call_parser)
+        prompt_ids = await preprocess.chat(body, plan.reply_prefix, plan.function)
         max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(prompt_ids)
         num_top = (body.top_logprobs or 0) if body.logprobs else 0
         request = GenerationRequest(prompt_ids, sampling_params(body, max_tokens, num_top))
         submit_checks(request)
-        formatter = _ChatFormat(state, body, prompt_ids)
+        formatter = _ChatFormat(state, body, prompt_ids, plan)
         if body.stream:
             return _sse(formatter.stream(engine.generate(request)))
         choices = await _collect(engine.generate(request), request.params.n)
@@ -166,7 +173,7 @@ def openai_router(state: ServingState) -> APIRouter:
         _check_options(body)
         if body.echo or body.suffix:
             raise APIError(400, "echo and suffix are not supported by the hf backend")
-        prompts = _completion_prompts(tokenizer, body)
+        prompts = await preprocess.completion_prompts(body)
         num_top = body.logprobs if body.logprobs is not None else 0
         requests = []
         for prompt_ids in prompts:
@@ -221,70 +228,10 @@ def openai_router(state: ServingState) -> APIRouter:
     return router
 
 
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message)
-
-
 def _check_options(options: Any) -> None:
     message = neutral_options_error(options)
     if message:
         raise APIError(400, message)
-
-
-def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
-    """Prompt token ids from the tokenizer's chat template (text-only message contents)."""
-    if not body.messages:
-        raise APIError(400, "messages is empty")
-    messages = [_text_message(m, i) for i, m in enumerate(body.messages)]
-    kwargs = dict(body.chat_template_kwargs or {})
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            tools=body.tools,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            tokenize=False,
-            **kwargs,
-        )
-    except Exception as e:  # template errors (bad roles, missing template) are the client's to fix
-        raise APIError(400, f"could not apply the chat template: {type(e).__name__}: {e}") from e
-    # The template already wrote any BOS/special tokens, so none are added on top (as vLLM does).
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def _text_message(message: dict[str, Any], position: int) -> dict[str, Any]:
-    if "role" not in message:
-        raise APIError(400, f"messages[{position}] has no role")
-    content = message.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(
-                    400, f"messages[{position}] has a {kind!r} part: the hf backend serves text only"
-                )
-            texts.append(str(part.get("text", "")))
-        message = {**message, "content": "\n".join(texts)}
-    return message
-
-
-def _completion_prompts(tokenizer: Any, body: CompletionRequest) -> list[list[int]]:
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        return [tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)]
-    if not prompt:
-        raise APIError(400, "prompt is empty")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    if all(isinstance(p, str) for p in prompt):
-        return [tokenizer.encode(p, add_special_tokens=body.add_special_tokens) for p in prompt]  # type: ignore[arg-type]
-    return [list(p) for p in prompt]  # type: ignore[arg-type]
 
 
 async def _collect(updates: AsyncIterator[list[ChoiceUpdate]], n: int) -> list[_Choice]:
@@ -374,8 +321,10 @@ def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 class _ChatFormat:
     """Builds chat responses and stream chunks for one request."""
 
-    def __init__(self, state: ServingState, body: ChatCompletionRequest, prompt_ids: list[int]) -> None:
-        self.state, self.body, self.prompt_ids = state, body, prompt_ids
+    def __init__(
+        self, state: ServingState, body: ChatCompletionRequest, prompt_ids: list[int], plan: ToolPlan
+    ) -> None:
+        self.state, self.body, self.prompt_ids, self.plan = state, body, prompt_ids, plan
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -385,23 +334,31 @@ class _ChatFormat:
         as_ids = self.body.return_tokens_as_token_ids
         return _chat_logprobs(self.state.tokenizer, c.token_ids, c.logprobs, c.top_logprobs, as_ids)
 
+    def _choice(self, c: _Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        choice: dict[str, Any] = {"index": c.index, "message": message}
+        finish_reason = c.finish_reason
+        if self.plan.parser is not None:
+            reader = self.plan.reader()
+            reply = reader.feed(c.text, final=True)
+            self.state.tool_stats.record(reader)
+            message["content"] = reply.content or (None if reply.tool_calls else "")
+            if reply.tool_calls:
+                message["tool_calls"] = [call.to_openai() for call in reply.tool_calls]
+            finish_reason = self.plan.finish_reason(c.finish_reason, reader.num_calls)
+            choice["num_malformed_tool_calls"] = reader.num_malformed
+        choice.update(logprobs=self._logprobs(c), finish_reason=finish_reason, stop_reason=c.stop_reason)
+        if self.body.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        return choice
+
     def response(self, choices: list[_Choice]) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion",
             "created": self.created,
             "model": self.state.served_model_name,
-            "choices": [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                    **({"token_ids": c.token_ids} if self.body.return_token_ids else {}),
-                }
-                for c in choices
-            ],
+            "choices": [self._choice(c) for c in choices],
             "usage": _usage(len(self.prompt_ids), sum(len(c.token_ids) for c in choices)),
         }
         if self.body.return_token_ids:
@@ -430,22 +387,67 @@ class _ChatFormat:
         ]
         extra = {"prompt_token_ids": self.prompt_ids} if self.body.return_token_ids else {}
         yield self._chunk(first, **extra)
+        readers = [self.plan.reader() for _ in range(self.body.n)] if self.plan.parser is not None else None
         num_completion = 0
         async with aclosing(updates) as stream:  # type: ignore[type-var]
             async for batch in stream:
                 for u in batch:
                     num_completion += len(u.token_ids)
-                    choice = {
-                        "index": u.index,
-                        "delta": {"content": u.text},
-                        "logprobs": self._logprobs(u),
-                        "finish_reason": u.finish_reason,
-                        "stop_reason": u.stop_reason,
-                    }
-                    if self.body.return_token_ids:
-                        choice["token_ids"] = u.token_ids
-                    yield self._chunk([choice])
-        yield self._chunk([], usage=_usage(len(self.prompt_ids), num_completion))
+                    if readers is None:
+                        choices = [self._delta(u, {"content": u.text}, u.finish_reason)]
+                    else:
+                        choices = self._tool_deltas(readers[u.index], u)
+                    for choice in choices:
+                        yield self._chunk([choice])
+        if self.body.include_usage:
+            yield self._chunk([], usage=_usage(len(self.prompt_ids), num_completion))
+
+    def _delta(
+        self, u: ChoiceUpdate | None, delta: dict[str, Any], finish_reason: str | None, index: int = 0
+    ) -> dict[str, Any]:
+        """One choice of a chunk; ``u`` is the engine update whose tokens it carries (``None``: a
+        chunk that only adds a call's arguments)."""
+        choice: dict[str, Any] = {
+            "index": u.index if u is not None else index,
+            "delta": delta,
+            "logprobs": self._logprobs(u) if u is not None else None,
+            "finish_reason": finish_reason,
+            "stop_reason": u.stop_reason if u is not None and finish_reason is not None else None,
+        }
+        if self.body.return_token_ids:
+            choice["token_ids"] = u.token_ids if u is not None else []
+        return choice
+
+    def _tool_deltas(self, reader: ReplyReader, u: ChoiceUpdate) -> list[dict[str, Any]]:
+        """The chunks of one update of a parsed choice: its content and tokens, then two deltas per
+        call it completed; the last one carries the finish reason."""
+        final = u.finish_reason is not None
+        reply = reader.feed(u.text, final)
+        finish_reason = self.plan.finish_reason(u.finish_reason, reader.num_calls) if final else None
+        first_index = reader.num_calls - len(reply.tool_calls)
+        delta: dict[str, Any] = {"content": reply.content} if reply.content else {}
+        if reply.tool_calls:
+            delta["tool_calls"] = [
+                {
+                    "index": first_index + k,
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": ""},
+                }
+                for k, c in enumerate(reply.tool_calls)
+            ]
+        choices = [self._delta(u, delta, None if reply.tool_calls else finish_reason)]
+        for k, call in enumerate(reply.tool_calls):
+            arguments = {
+                "tool_calls": [{"index": first_index + k, "function": {"arguments": call.arguments}}]
+            }
+            last = k == len(reply.tool_calls) - 1
+            choices.append(self._delta(None, arguments, finish_reason if last else None, index=u.index))
+        if final:
+            choices[-1]["stop_reason"] = u.stop_reason
+            choices[-1]["num_malformed_tool_calls"] = reader.num_malformed
+            self.state.tool_stats.record(reader)
+        return choices
 
 
 class _CompletionFormat:
@@ -514,18 +516,16 @@ class _CompletionFormat:
                             choice["prompt_token_ids"] = prompt_ids
                             sent_prompt[u.index] = True
                         choice["token_ids"] = u.token_ids
-                    yield {
-                        "id": self.id,
-                        "object": "text_completion",
-                        "created": self.created,
-                        "model": self.state.served_model_name,
-                        "choices": [choice],
-                    }
-        yield {
+                    yield self._chunk([choice])
+        if self.body.include_usage:
+            yield self._chunk([], usage=_usage(len(prompt_ids), num_completion))
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
             "model": self.state.served_model_name,
-            "choices": [],
-            "usage": _usage(len(prompt_ids), num_completion),
+            "choices": choices,
+            **extra,
         }

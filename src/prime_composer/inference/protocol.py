@@ -4,9 +4,16 @@ Field names and meanings follow vLLM's OpenAI server (``return_token_ids``,
 ``return_tokens_as_token_ids``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ...) so
 clients talk to either backend the same way. Rules:
 
+- sampling values are finite and in range: ``temperature`` 0 (greedy) or in
+  [``MIN_TEMPERATURE``, ``MAX_TEMPERATURE``] (below the minimum, ``logits / T`` leaves float32 and
+  logprobs become NaN; above the maximum sampling is uniform noise), ``top_p`` in (0, 1], ``seed``
+  a 64-bit integer, stop strings non-empty (an empty one matches everywhere); ``Infinity`` and
+  ``NaN``, which Python's JSON parser accepts, are refused like any other out-of-range value;
 - a sampling option this backend does not implement is accepted only at its neutral value
   (``top_k`` 0/-1, ``repetition_penalty`` 1, ...); any other value is a 400 naming it, never
   silently ignored;
+- ``stream_options`` only with ``stream = true`` (as OpenAI and vLLM); ``include_usage`` asks for
+  the final usage chunk;
 - fields that do not change the output (``user``, ``priority``, ``cache_salt``, ...) are accepted;
   unknown fields are ignored with a logged warning, as vLLM does.
 """
@@ -14,16 +21,49 @@ clients talk to either backend the same way. Rules:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from prime_composer.inference.requests import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20
+MIN_TEMPERATURE = 1e-5
+"""Smallest non-zero temperature (vLLM treats anything below it as greedy; here it is refused)."""
+MAX_TEMPERATURE = 100.0
 _warned_fields: set[str] = set()
+
+
+def _usable_temperature(value: float) -> float:
+    if 0 < value < MIN_TEMPERATURE:
+        raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+    return value
+
+
+def _non_empty_stops(value: str | list[str] | None) -> str | list[str] | None:
+    stops = [value] if isinstance(value, str) else value or []
+    if any(s == "" for s in stops):
+        raise ValueError("stop strings must be non-empty (an empty one would match at once)")
+    return value
+
+
+Temperature = Annotated[
+    float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False), AfterValidator(_usable_temperature)
+]
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**64)]
+Stop = Annotated[str | list[str] | None, AfterValidator(_non_empty_stops)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+    """Send one last chunk with ``usage`` (and no choices) before ``data: [DONE]``."""
+    continuous_usage_stats: bool = False
+    """vLLM's usage in every chunk: not implemented by the hf backend (refused when true)."""
 
 
 class _Lenient(BaseModel):
@@ -43,14 +83,14 @@ class _SamplingFields(_Lenient):
 
     model: str | None = None
     n: int = Field(default=1, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    stop: str | list[str] | None = None
+    stop: Stop = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -66,9 +106,24 @@ class _SamplingFields(_Lenient):
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
 
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream = true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise ValueError("stream_options.continuous_usage_stats is not supported by the hf backend")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (OpenAI: only when asked for)."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]]
+    messages: list[Any]
+    """Chat messages; their shape is checked with the rendering, on the preprocessing threads
+    (validating a million dicts here would hold the event loop for a second)."""
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -77,12 +132,20 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
+    """A Jinja template to render this request with: refused unless the server allows it
+    (``inference.allow_client_chat_template``)."""
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[
+        list[StrictInt] | list[list[StrictInt]] | str | list[str], Field(union_mode="left_to_right")
+    ]
+    """Text, texts, token ids, or lists of token ids. Tried in that order (token ids first, ints
+    strictly, so ``["5"]`` stays text): pydantic's default "smart" union validates every member and
+    collects an error per element of the ones that fail, ~0.4 s on the event loop for a million ids."""
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -95,11 +158,11 @@ class GenerateSamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     n: int = Field(default=1, ge=1)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
     max_tokens: int | None = Field(default=None, ge=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    stop: Stop = None
     stop_token_ids: list[int] | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     ignore_eos: bool = False
@@ -122,7 +185,7 @@ class GenerateSamplingParams(BaseModel):
 class GenerateRequest(_Lenient):
     """vLLM's token-in, token-out request (``POST /inference/v1/generate``)."""
 
-    token_ids: list[int]
+    token_ids: list[StrictInt]
     sampling_params: GenerateSamplingParams = GenerateSamplingParams()
     model: str | None = None
     request_id: str | None = None
@@ -130,14 +193,6 @@ class GenerateRequest(_Lenient):
     cache_salt: str | None = None
     priority: int = 0
     features: dict[str, Any] | None = None
-
-
-class UpdateWeightsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    path: str
-    """A ``step_<N>`` directory published under ``<output_dir>/broadcasts`` (absolute, or
-    relative to that root)."""
 
 
 def neutral_options_error(options: BaseModel) -> str | None:

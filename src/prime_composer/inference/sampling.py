@@ -113,8 +113,10 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Zero every token outside each row's nucleus (``multinomial`` renormalizes)."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    # Keep a token while the mass of the more likely ones is still below top_p; the first
-    # token always survives (mass_before = 0).
+    # Keep a token while the mass of the more likely ones is still below top_p. The most likely
+    # token always survives, even for a top_p that rounds to 0 in float32 (an all-zero row
+    # would make _inverse_cdf pick the last token of the vocabulary).
     keep_sorted = mass_before < top_p.unsqueeze(1)
+    keep_sorted[:, 0] = True
     keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
     return probs * keep

@@ -1,9 +1,15 @@
 """The ``hf`` backend's HTTP server: FastAPI app, admin endpoints, error format, ``serve``.
 
-Endpoints: the OpenAI-compatible ones (``openai_routes``), ``GET /health``, and the admin
-endpoints ``POST /update_weights {"path": ...}`` and ``POST /reload_weights`` (shared secret, see
-``auth``). ``/update_weights`` only reads ``step_<N>`` directories published (``STABLE``) under
-``<output_dir>/broadcasts``; the path is resolved (symlinks included) before that check.
+Endpoints: the OpenAI-compatible ones (``openai_routes``), ``GET /health``, ``GET /metrics``
+(Prometheus text: tool-call counters), and the admin endpoints ``POST /update_weights {"path": ...}``
+and ``POST /reload_weights``.
+
+Every request first passes ``guard.RequestGuard``: with a secret configured (``auth``) every route
+but ``/health`` needs it, and bodies over ``inference.max_request_bytes`` are a 413.
+``/update_weights`` only reads ``step_<N>`` directories published (``STABLE``) under
+``<output_dir>/broadcasts`` (``weight_paths``: the path is resolved, symlinks included, before
+that check), verifies their digests and that every value is finite (``transport.weights``), and
+refuses content problems with 409.
 
 Every client error is a 4xx with OpenAI's error body ``{"error": {"message", "type", "param",
 "code"}}``; malformed JSON and schema violations are 400 (as vLLM answers them), never a crash.
@@ -26,28 +32,26 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prime_composer.config.inference import InferenceConfig
-from prime_composer.inference.auth import check_bearer, resolve_admin_secret
+from prime_composer.inference.auth import resolve_admin_secret
 from prime_composer.inference.engine import Engine
-from prime_composer.inference.openai_routes import APIError, ServingState, openai_router
-from prime_composer.inference.protocol import UpdateWeightsRequest
+from prime_composer.inference.guard import DEFAULT_MAX_BODY_BYTES, APIError, RequestGuard, error_response
+from prime_composer.inference.openai_routes import ServingState, openai_router
+from prime_composer.inference.preprocess import Preprocessor
 from prime_composer.inference.requests import EngineError
-from prime_composer.transport.weights import is_stable, load_weights, parse_step
+from prime_composer.inference.weight_paths import WeightPathError, checked_step_dir, update_path_from_body
+from prime_composer.transport.weights import load_weights, parse_step
 
 logger = logging.getLogger(__name__)
 
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    409: "ConflictError",
-    422: "BadRequestError",
-}
+
+KEEP_ALIVE_S = 75
+"""Seconds an idle client connection stays open. Longer than httpx's pool expiry (5 s): with
+uvicorn's default of 5 s the server closes idle connections just as clients reuse them, and an
+unlucky request fails with a connection error (a lost rollout, seen between slow trainer steps)."""
 
 
 def broadcast_root(config: InferenceConfig) -> Path:
@@ -72,10 +76,11 @@ def build_app(config: InferenceConfig) -> FastAPI:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     model, tokenizer = load_model_and_tokenizer(config.model, device)
+    max_model_len = max_context(model, config.max_model_len)
     engine = Engine(
         model,
         tokenizer,
-        max_model_len=max_context(model, config.max_model_len),
+        max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
         max_prefill_tokens=config.max_prefill_tokens,
         seed=config.seed,
@@ -85,11 +90,25 @@ def build_app(config: InferenceConfig) -> FastAPI:
         tokenizer=tokenizer,
         served_model_name=config.served_model_name or config.model.name,
         model_root=str(getattr(model, "name_or_path", config.model.name)),
+        preprocess=Preprocessor(
+            tokenizer,
+            max_model_len=max_model_len,
+            num_threads=config.num_preprocess_threads,
+            timeout_s=config.preprocess_timeout_s,
+            allow_client_template=config.allow_client_chat_template,
+        ),
+        tool_call_parser=config.tool_call_parser,
     )
-    return create_app(state, broadcast_root(config), secret)
+    _check_tool_format(tokenizer, config.tool_call_parser)
+    return create_app(state, broadcast_root(config), secret, config.max_request_bytes)
 
 
-def create_app(state: ServingState, weights_root: Path, secret: str | None) -> FastAPI:
+def create_app(
+    state: ServingState,
+    weights_root: Path,
+    secret: str | None,
+    max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
     """The FastAPI app around an already-built engine (``build_app`` does the loading)."""
     engine = state.engine
 
@@ -99,9 +118,12 @@ def create_app(state: ServingState, weights_root: Path, secret: str | None) -> F
         try:
             yield
         finally:
+            if state.preprocess is not None:
+                state.preprocess.close()
             await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="prime-composer inference (hf)", lifespan=lifespan)
+    app.add_middleware(RequestGuard, secret=secret, max_body_bytes=max_request_bytes)
     app.include_router(openai_router(state))
     _install_error_handlers(app)
     update_lock = asyncio.Lock()
@@ -111,28 +133,39 @@ def create_app(state: ServingState, weights_root: Path, secret: str | None) -> F
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": state.served_model_name, "weights": dict(current)}
 
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(state.tool_stats.prometheus(), media_type="text/plain; version=0.0.4")
+
     @app.post("/update_weights")
     async def update_weights(request: Request) -> dict[str, Any]:
-        check_bearer(request, secret)
         try:
-            body = UpdateWeightsRequest.model_validate(await _json_body(request))
-        except ValidationError as e:
-            raise APIError(400, _describe_validation(e.errors())) from e
-        path = _checked_weight_path(body.path, weights_root)
+            path = checked_step_dir(update_path_from_body(await request.body()), weights_root)
+        except WeightPathError as e:
+            raise APIError(e.status, e.message) from None
         async with update_lock:
-            try:
-                state_dict = await asyncio.to_thread(load_weights, path)
-                engine.check_state_dict(state_dict)
-            except (FileNotFoundError, ValueError, OSError) as e:
-                raise APIError(400, f"cannot load weights from {path}: {e}") from e
+            state_dict = await _load_checked(path)
             await engine.update_weights(state_dict)
             current.update(path=str(path), step=parse_step(path))
         logger.info("serving weights from %s", path)
         return {"status": "ok", **current}
 
+    async def _load_checked(path: Path) -> Any:
+        """The state dict of a published step; every content problem is a 409 naming it."""
+        try:
+            state_dict = await asyncio.to_thread(load_weights, path)
+        except FileNotFoundError as e:  # pruned by the trainer since the path was checked
+            raise APIError(404, str(e)) from None
+        except Exception as e:  # digest mismatch, NaN/inf, unreadable safetensors, ...
+            raise APIError(409, f"refused the weights in {path}: {type(e).__name__}: {e}") from None
+        try:
+            engine.check_state_dict(state_dict)
+        except ValueError as e:
+            raise APIError(409, f"refused the weights in {path}: {e}") from None
+        return state_dict
+
     @app.post("/reload_weights")
-    async def reload_weights(request: Request) -> dict[str, Any]:
-        check_bearer(request, secret)
+    async def reload_weights() -> dict[str, Any]:
         async with update_lock:
             await engine.update_weights(None)
             current.update(path=None, step=None)
@@ -142,62 +175,48 @@ def create_app(state: ServingState, weights_root: Path, secret: str | None) -> F
     return app
 
 
-async def _json_body(request: Request) -> Any:
-    try:
-        return await request.json()
-    except ValueError as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from e
+def _check_tool_format(tokenizer: Any, parser_name: str | None) -> None:
+    """Say at start what tool calls will do with this model, rather than at the first request."""
+    from prime_composer.inference.tools import template_reads_tools
+    from prime_composer.tool_calls import get_parser
 
-
-def _checked_weight_path(raw: str, root: Path) -> Path:
-    """Resolve ``raw`` (relative paths are under ``root``) and refuse anything outside ``root``."""
-    root = root.resolve()
-    candidate = Path(raw).expanduser()
-    path = (candidate if candidate.is_absolute() else root / candidate).resolve()
-    if path == root or not path.is_relative_to(root):
-        raise APIError(
-            403,
-            f"weight path {raw!r} is outside the broadcast root {root}: only step directories "
-            "published there by the trainer are accepted",
-            "PermissionDeniedError",
+    if parser_name is None:
+        return
+    if not template_reads_tools(getattr(tokenizer, "chat_template", None)):
+        logger.warning(
+            "this model's chat template does not render tools: chat requests with tools will be refused"
         )
-    if not path.is_dir():
-        raise APIError(404, f"weight directory {path} does not exist", "NotFoundError")
-    if not is_stable(path):
-        raise APIError(
-            409, f"weight directory {path} has no STABLE marker (still being written?)", "ConflictError"
+    parser = get_parser(parser_name)
+    markers = {str(m) for m in (getattr(parser, "OPEN", None), getattr(parser, "CLOSE", None)) if m}
+    special = sorted(markers & set(getattr(tokenizer, "all_special_tokens", ())))
+    if special:
+        logger.warning(
+            "the tool-call markers %s are special tokens of this tokenizer: requests with tools must send "
+            "skip_special_tokens = false, or the markers are dropped from the text before parsing",
+            special,
         )
-    return path
-
-
-def _error(status: int, message: str, error_type: str | None = None) -> JSONResponse:
-    body = {
-        "error": {
-            "message": message,
-            "type": error_type or _ERROR_TYPES.get(status, "Error"),
-            "param": None,
-            "code": status,
-        }
-    }
-    return JSONResponse(body, status_code=status)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return _error(e.status, e.message, e.error_type)
+        headers = {"Retry-After": "1"} if e.status == 429 else None
+        return error_response(e.status, e.message, e.error_type, headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:
-        return _error(400, _describe_validation(e.errors()))
+        return error_response(400, _describe_validation(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error(e.status_code, str(e.detail))
+        message = str(e.detail)
+        if e.__cause__ is not None:  # FastAPI's "error parsing the body": say what the error was
+            message += f": {type(e.__cause__).__name__}: {str(e.__cause__)[:300]}"
+        return error_response(e.status_code, message)
 
     @app.exception_handler(EngineError)
     async def engine_error(_: Request, e: EngineError) -> JSONResponse:
-        return _error(500, str(e), "InternalServerError")
+        return error_response(500, str(e), "InternalServerError")
 
 
 def _describe_validation(errors: Any) -> str:
@@ -221,8 +240,8 @@ def serve(config: InferenceConfig) -> None:
     app = build_app(config)
     if config.secret_env:
         # The variable's name only; its value is never logged.
-        logger.info("admin endpoints require the secret in $%s", config.secret_env)
+        logger.info("every route but /health requires the secret in $%s", config.secret_env)
     logger.info(
         "serving %s on http://%s:%d (pid %d)", config.model.name, config.host, config.port, os.getpid()
     )
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info")
+    uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_keep_alive=KEEP_ALIVE_S)

@@ -30,6 +30,8 @@ class LaunchResult:
     failed: str | None = None
     """Name of the process that failed the run, if any."""
     reason: str = ""
+    failed_exit_code: int | None = None
+    """Exit code of the process that failed the run (None when it was stopped or never exited)."""
 
 
 class Launcher:
@@ -130,17 +132,17 @@ class Launcher:
                 if code is None:
                     continue
                 if proc.spec.kind == "service":
-                    return self._failure(proc, f"exited with code {code} while the run needed it")
+                    return self._failure(proc, f"exited with code {code} while the run needed it", code)
                 if code != 0:
-                    return self._failure(proc, f"exited with code {code}")
+                    return self._failure(proc, f"exited with code {code}", code)
             if self.on_tick is not None:
                 self.on_tick(self.statuses())
             if jobs and all(p.poll() == 0 for p in jobs):  # with no jobs: run until stopped
                 return LaunchResult(0)
             time.sleep(self.poll_s)
 
-    def _failure(self, proc: ManagedProcess, what: str) -> LaunchResult:
+    def _failure(self, proc: ManagedProcess, what: str, exit_code: int | None = None) -> LaunchResult:
         reason = f"{proc.name} {what}"
         tail = proc.tail()
         self.echo(f"error: {reason}. Last lines of {proc.log_path}:\n{tail}" if tail else f"error: {reason}")
-        return LaunchResult(1, failed=proc.name, reason=reason)
+        return LaunchResult(1, failed=proc.name, reason=reason, failed_exit_code=exit_code)

@@ -54,7 +54,7 @@ class Progress:
     def latest(self) -> dict[str, dict[str, Any]]:
         return {
             process: (records[-1] if (records := read_metrics(self.metrics_dir / f"{process}.jsonl")) else {})
-            for process in ("trainer", "orchestrator")
+            for process in {"trainer", *(process for _, process, _ in COLUMNS)}
         }
 
     def values(self) -> tuple[int, list[tuple[str, Any]]]:

@@ -19,24 +19,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from prime_composer.config.resolve import ENV_PREFIX, RL_ALIASES, finalize_rl_config
+from prime_composer.checkpoint_layout import find_resume_point
+from prime_composer.config.errors import RUN_ERROR_EXIT_CODE, ConfigError
+from prime_composer.config.processes import enabled_processes
+from prime_composer.config.resolve import ENV_PREFIX, RL_ALIASES, finalize_rl_config, set_shared
 from prime_composer.config.rl import RLConfig
 from prime_composer.io import atomic_write_text
-from prime_composer.launch.launcher import Launcher
+from prime_composer.launch.launcher import Launcher, LaunchResult
+from prime_composer.launch.preflight import preflight
 from prime_composer.launch.process import ProcessSpec
 from prime_composer.launch.progress import Progress
 from prime_composer.launch.rundir import prepare_fresh, prepare_resume
 from prime_composer.report import summary, write_report_png
 
-PROCESS_MODULES = {
-    "inference": "prime_composer.inference.main",
-    "orchestrator": "prime_composer.orchestrator.main",
-    "trainer": "prime_composer.trainer.main",
-}
-
 
 def write_resolved_configs(config: RLConfig) -> dict[str, Path]:
-    """``<output_dir>/configs/{rl,inference,orchestrator,trainer}.json``; returns their paths.
+    """``<output_dir>/configs/rl.json`` and one ``<process>.json`` per process; returns their paths.
 
     Secrets never reach these files: configs hold the *names* of environment variables that
     hold secrets, and any secret-typed field is dumped redacted.
@@ -44,42 +42,44 @@ def write_resolved_configs(config: RLConfig) -> dict[str, Path]:
     config_dir = config.output_dir / "configs"
     paths = {"rl": config_dir / "rl.json"}
     atomic_write_text(paths["rl"], json.dumps(config.model_dump(mode="json"), indent=2) + "\n")
-    for name in PROCESS_MODULES:
-        paths[name] = config_dir / f"{name}.json"
-        section = getattr(config, name)
-        atomic_write_text(paths[name], json.dumps(section.model_dump(mode="json"), indent=2) + "\n")
+    for process in enabled_processes(config):
+        paths[process.name] = config_dir / f"{process.name}.json"
+        section = getattr(config, process.name)
+        atomic_write_text(paths[process.name], json.dumps(section.model_dump(mode="json"), indent=2) + "\n")
     return paths
 
 
 def build_specs(config: RLConfig, config_paths: dict[str, Path]) -> list[ProcessSpec]:
-    """The processes of one run, in start order."""
-    python = sys.executable
-    inference = config.inference
-    health_host = "127.0.0.1" if inference.host in ("0.0.0.0", "::", "") else inference.host
-    specs = [
-        ProcessSpec(
-            name="inference",
-            argv=[python, "-m", PROCESS_MODULES["inference"], "@", str(config_paths["inference"])],
-            kind="service",
-            health_url=f"http://{health_host}:{inference.port}/health",
-        ),
-        ProcessSpec(
-            name="orchestrator",
-            argv=[python, "-m", PROCESS_MODULES["orchestrator"], "@", str(config_paths["orchestrator"])],
-            kind="job",
-        ),
-    ]
-    trainer_argv = ["-m", PROCESS_MODULES["trainer"], "@", str(config_paths["trainer"])]
-    if config.trainer.num_ranks > 1:
-        trainer_argv = [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={config.trainer.num_ranks}",
-            *trainer_argv,
-        ]
-    specs.append(ProcessSpec(name="trainer", argv=[python, *trainer_argv], kind="job"))
+    """The processes of one run (``config/processes.py``), in start order."""
+    specs = []
+    for process in enabled_processes(config):
+        argv = ["-m", process.module, "@", str(config_paths[process.name])]
+        num_ranks = process.num_ranks(config) if process.num_ranks is not None else 1
+        if num_ranks > 1:
+            argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_ranks}", *argv]
+        health_url = None
+        if process.health_path is not None:
+            section = getattr(config, process.name)
+            host = "127.0.0.1" if section.host in ("0.0.0.0", "::", "") else section.host
+            health_url = f"http://{host}:{section.port}{process.health_path}"
+        specs.append(
+            ProcessSpec(
+                name=process.name, argv=[sys.executable, *argv], kind=process.kind, health_url=health_url
+            )
+        )
     return specs
+
+
+def _resume_hint(config: RLConfig, argv: Sequence[str], result: LaunchResult) -> str:
+    """`` To continue: <command>`` when resuming can help: a checkpoint exists and the run did not
+    stop for a reason resuming would meet again."""
+    if result.failed_exit_code == RUN_ERROR_EXIT_CODE:
+        return f" Resuming as it is would stop the same way: see the error above in logs/{result.failed}.log."
+    try:
+        find_resume_point(config.output_dir / "checkpoints", None, config.ckpt.parts)
+    except ConfigError:
+        return " No checkpoint to resume from yet: fix the cause and run the same command again."
+    return f" To continue: {resume_command(argv)}"
 
 
 def resume_command(argv: Sequence[str]) -> str:
@@ -145,18 +145,23 @@ def warmup_specs(config: RLConfig, config_paths: dict[str, Path]) -> tuple[list[
 
 
 def _use_model(config: RLConfig, path: Path) -> None:
-    """Point every process at ``path`` (the warm-up's result)."""
-    config.model.name = str(path)
-    for section in (config.trainer, config.orchestrator, config.inference):
-        section.model.name = str(path)
+    """Point every process at ``path`` (the warm-up's result: a plain Hugging Face folder, also
+    when the warm-up started from a GGUF file)."""
+    set_shared(config, "model.name", str(path))
+    set_shared(config, "model.gguf_file", None)
 
 
 def launch(config: RLConfig, argv: Sequence[str]) -> int:
+    preflight(config)
     output_dir = config.output_dir
     resuming = config.ckpt.resume or config.ckpt.resume_step is not None
     if resuming:
-        step = prepare_resume(output_dir, config.ckpt.resume_step)
-        print(f"rl: resuming {output_dir} from step {step}", flush=True)
+        point = prepare_resume(output_dir, config.ckpt.resume_step, config.ckpt.parts)
+        for step, reason in point.skipped:
+            print(f"rl: skipping the checkpoint of step {step}: {reason}", flush=True)
+        print(f"rl: resuming {output_dir} from step {point.step}", flush=True)
+        # Every process resumes from exactly this step (the one that verified).
+        set_shared(config, "ckpt.resume_step", point.step)
     else:
         prepare_fresh(output_dir, config.launch.overwrite, extra=("sft",))
     print(f"rl: output in {output_dir} (logs/, metrics/, configs/)", flush=True)
@@ -171,10 +176,12 @@ def launch(config: RLConfig, argv: Sequence[str]) -> int:
         specs, final = warmup_specs(config, paths)
         if not (resuming and (final / "config.json").exists()):
             print(f"rl: SFT warm-up ({config.warmup.max_steps} steps), log in logs/sft.log", flush=True)
-            result = Launcher(specs, output_dir / "logs", **launch_kwargs).run()
-            if result.exit_code != 0:
-                print(f"rl: warm-up failed ({result.reason})", flush=True)
-                return result.exit_code
+            # One job after the other: sft reads the data sft-data writes.
+            for spec in specs:
+                result = Launcher([spec], output_dir / "logs", **launch_kwargs).run()
+                if result.exit_code != 0:
+                    print(f"rl: warm-up failed ({result.reason})", flush=True)
+                    return result.exit_code
         _use_model(config, final)
         paths = write_resolved_configs(config)
 
@@ -187,7 +194,7 @@ def launch(config: RLConfig, argv: Sequence[str]) -> int:
     finally:
         progress.close()
     if result.exit_code != 0:
-        print(f"rl: run stopped ({result.reason}). To continue: {resume_command(argv)}", flush=True)
+        print(f"rl: run stopped ({result.reason}).{_resume_hint(config, argv, result)}", flush=True)
         return result.exit_code
     report = write_report_png(output_dir)
     print(summary(output_dir), flush=True)

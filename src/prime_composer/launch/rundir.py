@@ -13,7 +13,13 @@ import json
 import shutil
 from pathlib import Path
 
-from prime_composer.checkpoint_layout import complete_steps, parse_step_dir, resume_step
+from prime_composer.checkpoint_layout import (
+    DEFAULT_PARTS,
+    ResumePoint,
+    complete_steps,
+    find_resume_point,
+    parse_step_dir,
+)
 from prime_composer.config.errors import ConfigError
 from prime_composer.io import atomic_write_text
 
@@ -35,9 +41,13 @@ def prepare_fresh(output_dir: Path, overwrite: bool, extra: tuple[str, ...] = ()
             path.unlink()
 
 
-def prepare_resume(output_dir: Path, requested_step: int | None) -> int:
-    """Trim ``output_dir`` back to the newest complete checkpoint; returns its step."""
-    step = resume_step(output_dir / "checkpoints", requested_step)
+def prepare_resume(
+    output_dir: Path, requested_step: int | None, parts: tuple[str, ...] = DEFAULT_PARTS
+) -> ResumePoint:
+    """Trim ``output_dir`` back to the newest complete checkpoint that verifies; returns it (with
+    the newer ones it skipped and why)."""
+    point = find_resume_point(output_dir / "checkpoints", requested_step, parts)
+    step = point.step
     for path in _step_dirs(output_dir / "rollouts"):
         if (parse_step_dir(path) or 0) >= step:
             shutil.rmtree(path)
@@ -46,7 +56,7 @@ def prepare_resume(output_dir: Path, requested_step: int | None) -> int:
             shutil.rmtree(path)
     for metrics in (output_dir / "metrics").glob("*.jsonl"):
         trim_metrics(metrics, before_step=step)
-    return step
+    return point
 
 
 def trim_metrics(path: Path, before_step: int) -> None:

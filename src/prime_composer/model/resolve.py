@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from prime_composer.integrity import MANIFEST_NAME, verify_manifest
+
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny-qwen3",)
 
 
 def resolve_model_name(name: str) -> str:
-    """Hub ids and local paths pass through; ``builtin:tiny-qwen3`` is built once and cached."""
+    """Hub ids and local paths pass through; ``builtin:tiny-qwen3`` is built once and cached.
+
+    A local directory that holds ``MANIFEST.json`` (one this project wrote: the warm-up's
+    ``sft/final``, an export) is checked against it first, so a damaged file is an error naming it
+    rather than a model that loads with different weights."""
     if not name.startswith(BUILTIN_PREFIX):
+        directory = Path(name).expanduser()
+        if (directory / MANIFEST_NAME).is_file():
+            verify_manifest(directory)
         return name
     builtin = name.removeprefix(BUILTIN_PREFIX)
     if builtin == "tiny-qwen3":

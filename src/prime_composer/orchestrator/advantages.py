@@ -10,6 +10,10 @@ For each group (one example x ``group_size`` rollouts):
 whose shaped rewards are all equal gets advantage exactly 0 (no floating-point residue), which
 is what ``filter_zero_variance`` keys on to drop it (DAPO dynamic sampling).
 
+The unit is the episode: the Samples of one episode split at a history-rewriting chat template
+(same ``info["trace_id"]``) count once in the mean and std, with their first Sample's shaped
+reward, and all get that episode's advantage.
+
 Usage::
 
     scored = compute_advantages(samples, cfg.advantage, max_tokens=cfg.max_tokens)
@@ -72,14 +76,17 @@ def compute_advantages(
         for s in samples
     ]
 
-    groups: dict[int, list[int]] = {}
+    groups: dict[int, dict[object, list[int]]] = {}
     for i, s in enumerate(samples):
-        groups.setdefault(s.group_id, []).append(i)
+        episode = s.info.get("trace_id", ("sample", i))
+        groups.setdefault(s.group_id, {}).setdefault(episode, []).append(i)
     advantages = [0.0] * len(samples)
-    for indices in groups.values():
-        shaped = [samples[i].reward + penalties[i] for i in indices]
-        for i, adv in zip(indices, _group_advantages(shaped, cfg.std_scaling), strict=True):
-            advantages[i] = adv
+    for episodes in groups.values():
+        members = list(episodes.values())
+        shaped = [samples[m[0]].reward + penalties[m[0]] for m in members]
+        for indices, adv in zip(members, _group_advantages(shaped, cfg.std_scaling), strict=True):
+            for i in indices:
+                advantages[i] = adv
 
     out = []
     for s, adv, pen in zip(samples, advantages, penalties, strict=True):

@@ -8,9 +8,11 @@ An ``[[orchestrator.env]]`` id names a taskset package. It is found, in this ord
 2. an installed package (``my-env`` imports ``my_env``), e.g. one added to the project's
    dependencies or installed with ``uv pip install -e``.
 
-Every agent seat of the environment is pinned to what runs offline: the in-process chat
-harness (``prime_composer.orchestrator.harness``) in the subprocess runtime. Nothing is pushed
-to a hub and nothing is installed at run time.
+Every agent seat of the environment is pinned to what runs offline, in the subprocess runtime:
+the in-process chat harness (``prime_composer.orchestrator.harness``: one chat call per episode)
+or, when the taskset's tasks are ``AgentTaskData`` (they need tools), the agent harness
+(``agent_harness.py``: multi-turn, token-in/token-out, tools in the sandbox) with the entry's
+``agent`` settings. Nothing is pushed to a hub and nothing is installed at run time.
 """
 
 from __future__ import annotations
@@ -26,34 +28,15 @@ from typing import Any, Literal
 
 import verifiers.v1 as vf
 from pydantic import ValidationError
-from verifiers.v1.utils.loaders import env_config_type, taskset_config_type
+from verifiers.v1.utils.loaders import env_config_type, taskset_class, taskset_config_type
 
-from prime_composer.config.env import EnvConfig, RolloutConfig
+from prime_composer.config.env import AgentLoopConfig, EnvConfig, RolloutConfig
+from prime_composer.orchestrator import agent_harness
 from prime_composer.orchestrator import harness as chat_harness
-
-DEFAULT_ENV_DIRS: tuple[Path, ...] = (Path("orchestrator/environments"),)
-"""Where local environment folders are looked up (relative paths resolve against the cwd)."""
+from prime_composer.orchestrator.agent_task import AgentTaskData, is_agent_taskset
+from prime_composer.orchestrator.env_ids import DEFAULT_ENV_DIRS, local_environments, module_name
 
 Split = Literal["train", "eval"]
-
-
-def module_name(env_id: str) -> str:
-    """The import name verifiers derives from an id (``owner/my-env@1`` -> ``my_env``)."""
-    return env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
-
-
-def local_environments(env_dirs: Sequence[Path] = DEFAULT_ENV_DIRS) -> dict[str, Path]:
-    """Local environments by module name -> the folder to put on ``sys.path``."""
-    found: dict[str, Path] = {}
-    for env_dir in env_dirs:
-        env_dir = Path(env_dir).resolve()
-        if not env_dir.is_dir():
-            continue
-        for folder in sorted(env_dir.iterdir()):
-            module = module_name(folder.name)
-            if (folder / module / "__init__.py").is_file():
-                found.setdefault(module, folder)
-    return found
 
 
 def list_environments(env_dirs: Sequence[Path] = DEFAULT_ENV_DIRS) -> list[str]:
@@ -69,6 +52,7 @@ def prepare_imports(env_dirs: Sequence[Path] = DEFAULT_ENV_DIRS) -> None:
     """Make local environments and the chat harness importable under the names verifiers uses."""
     # verifiers imports a harness by a plain module name (a dotted id breaks its lookup).
     sys.modules.setdefault(chat_harness.HARNESS_MODULE, chat_harness)
+    sys.modules.setdefault(agent_harness.AGENT_HARNESS_MODULE, agent_harness)
     for folder in local_environments(env_dirs).values():
         path = str(folder)
         if path not in sys.path:
@@ -85,6 +69,8 @@ class LoadedEnv:
     env: vf.Env
     eval_taskset: vf.Taskset | None
     """The held-out split (``eval_args`` applied), or ``None`` when the entry has no eval."""
+    agent: AgentLoopConfig | None = None
+    """The agent loop's settings when the environment's tasks use tools; None for chat episodes."""
 
     @property
     def label(self) -> str:
@@ -119,6 +105,32 @@ def task_messages(data: vf.TaskData) -> list[dict[str, Any]]:
     return messages
 
 
+def sft_records(loaded: LoadedEnv, split: Split = "train") -> list[dict[str, Any]]:
+    """One SFT warm-up record (``{"messages": [...]}``, plus ``"tools"`` when the agent loop
+    renders tool definitions) per task of a split: the task's prompt and its reference.
+
+    Chat environments: the prompt messages and the ``answer`` as the assistant turn (``sft_pairs``).
+    Agent environments: the task's ``reference_replies`` played against the real tools in a fresh
+    workspace with the agent loop's own message building (``sft_play.play_references``), so SFT
+    sees the tool results RL will see.
+    """
+    if loaded.agent is None:
+        return [
+            {"messages": [*messages, {"role": "assistant", "content": answer}]}
+            for messages, answer in sft_pairs(loaded, split)
+        ]
+    from prime_composer.orchestrator.sft_play import play_references
+
+    data = [task.data for task in loaded.tasks(split)]
+    missing = [d.id or d.idx for d in data if not (isinstance(d, AgentTaskData) and d.reference_replies)]
+    if missing:
+        raise ValueError(
+            f"orchestrator.env[{loaded.index}] (id={loaded.config.id!r}): tasks {missing[:5]} have no "
+            "reference_replies, so they cannot provide SFT conversations; add them to the task data"
+        )
+    return play_references([d for d in data if isinstance(d, AgentTaskData)], loaded.agent)
+
+
 def sft_pairs(loaded: LoadedEnv, split: Split = "train") -> list[tuple[list[dict[str, Any]], str]]:
     """(prompt messages, reference answer) for every task of a split, for SFT warm-up data.
 
@@ -148,7 +160,8 @@ def load_env(
     prepare_imports(env_dirs)
     _import_taskset_module(entry.id, where, env_dirs)
     try:
-        env_config = _verifiers_env_config(entry.id, entry.args, rollout)
+        agent = _agent_settings(entry, taskset_class(entry.id), rollout, where)
+        env_config = _verifiers_env_config(entry.id, entry.args, rollout, agent)
         env = vf.load_environment(env_config)
         eval_taskset = None
         if entry.eval_args is not None:
@@ -158,7 +171,28 @@ def load_env(
             eval_taskset = vf.load_taskset(eval_config)
     except ValidationError as e:
         raise ValueError(f"{where}: invalid args or eval_args for this environment:\n{e}") from e
-    return LoadedEnv(index=index, config=entry, env=env, eval_taskset=eval_taskset)
+    return LoadedEnv(index=index, config=entry, env=env, eval_taskset=eval_taskset, agent=agent)
+
+
+def _agent_settings(
+    entry: EnvConfig, taskset_type: type[vf.Taskset], rollout: RolloutConfig, where: str
+) -> AgentLoopConfig | None:
+    """The agent loop's settings for an environment with tool-using tasks, None for chat ones."""
+    if not is_agent_taskset(taskset_type):
+        if entry.agent is not None:
+            raise ValueError(
+                f"{where}: `agent` is set, but this environment's tasks use no tools (their data is not "
+                "AgentTaskData), so its episodes are single chat calls; remove the agent table"
+            )
+        return None
+    agent = entry.agent or AgentLoopConfig()
+    if rollout.timeout_s is not None and agent.time_limit_s > rollout.timeout_s:
+        raise ValueError(
+            f"{where}: agent.time_limit_s = {agent.time_limit_s:g} exceeds orchestrator.rollout.timeout_s = "
+            f"{rollout.timeout_s:g}, which would kill episodes before their own limit; lower the first or "
+            "raise the second"
+        )
+    return agent
 
 
 def load_envs(
@@ -206,11 +240,16 @@ def _import_taskset_module(env_id: str, where: str, env_dirs: Sequence[Path]) ->
             )
 
 
-def _verifiers_env_config(env_id: str, args: dict[str, Any], rollout: RolloutConfig) -> vf.EnvConfig:
-    """The verifiers EnvConfig for a taskset, every agent seat pinned to the offline harness."""
+def _verifiers_env_config(
+    env_id: str, args: dict[str, Any], rollout: RolloutConfig, agent: AgentLoopConfig | None
+) -> vf.EnvConfig:
+    """The verifiers EnvConfig for a taskset, every agent seat pinned to an offline harness."""
     config_type = env_config_type(env_id)
+    harness: dict[str, Any] = {"id": chat_harness.HARNESS_ID}
+    if agent is not None:
+        harness = {"id": agent_harness.AGENT_HARNESS_ID, "loop": agent.model_dump(mode="json")}
     seat = {
-        "harness": {"id": chat_harness.HARNESS_ID},
+        "harness": harness,
         "runtime": {"type": "subprocess"},
         "retries": {"max_retries": rollout.max_retries},
         "timeout": {"rollout": rollout.timeout_s},

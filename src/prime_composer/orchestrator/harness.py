@@ -16,6 +16,8 @@ on the trace and relays the provider's JSON back unchanged). So this harness
 
 A multi-turn environment resumes the harness with the whole conversation; each call appends
 one record. Tools (MCP) are not supported: verifiers refuses the pairing before the rollout.
+Environments whose tasks use tools (``AgentTaskData``) run with the token-in agent harness
+instead (``agent_harness.py``).
 
 verifiers imports harnesses by a plain module name, so ``prime_composer.orchestrator.envs``
 registers this module as ``HARNESS_MODULE`` before any environment loads.
@@ -150,12 +152,17 @@ _clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient
 
 
 def _client_for_loop() -> httpx.AsyncClient:
-    """One pooled client per event loop (an httpx client must not cross loops); building one per
-    call would cost a TLS context each time."""
+    """One client per event loop (an httpx client must not cross loops); building one per call
+    would cost a TLS context each time.
+
+    No keep-alive: the interception servers come and go with the load (verifiers' elastic pool), and
+    a pooled connection to one that closed fails the next call with a ``ReadError``: a lost rollout,
+    at random. A call here must not be retried either (the interception records every call as a
+    turn), so each call opens its own loopback connection (tens of microseconds)."""
     loop = asyncio.get_running_loop()
     client = _clients.get(loop)
     if client is None:
-        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
         _clients[loop] = client
     return client
 

@@ -1,18 +1,19 @@
-"""The orchestrator's main loop: one packed batch per training step.
+"""The orchestrator's main loop: one packed batch per training step, from a stream of rollouts.
 
-For step ``s``:
+Rollouts stream (``stream.py``): groups of ``group_size`` rollouts of one task start in the
+background, at most ``max_inflight`` rollouts at a time and within the asynchrony bound, so groups
+for step s+1 run while step s's slowest ones finish. For step ``s`` the loop
 
-1. **weights**: the server must run weights of step ``>= s - max_async_level``; wait for the
-   trainer to publish them and load the newest (``PolicySync``);
-2. **eval**: every ``eval.interval`` steps, the held-out split of each environment;
-3. **rollouts**: ``batch_size / group_size`` groups, each ``group_size`` rollouts of one task;
-   failed rollouts are counted and left out; advantages per group; with dynamic sampling, groups
-   whose rewards are all equal are replaced by fresh groups (at most ``max_refill_rounds``
-   rounds); samples from weights older than ``max_off_policy_steps`` are dropped;
-4. **SDPO hints** (``orchestrator.sdpo.enabled``): failed rollouts get a hinted teacher context
-   (``hints.py``), packed next to their students;
-5. **pack and send** micro-batches for every trainer rank;
-6. **log** ``metrics/orchestrator.jsonl`` and checkpoint the data position.
+1. **checkpoints** the data position every ``ckpt.interval`` steps;
+2. **evaluates** every ``eval.interval`` steps (the held-out split of each environment);
+3. **takes** step s's groups from the stream, in draw order: failed rollouts are counted and left
+   out, advantages are per group, groups that cannot be trained on (dynamic sampling, too stale)
+   are replaced;
+4. **adds** SDPO hints (``orchestrator.sdpo.enabled``: failed rollouts get a hinted teacher context,
+   ``sdpo/hints.py``) and items from the batch sources (``BatchSource``: e.g. replay pairs);
+5. **packs and sends** micro-batches for every trainer rank (group packers build each term's
+   tensors);
+6. **logs** ``metrics/orchestrator.jsonl``.
 
 It never imports trainer or model code: it talks to the server over HTTP and to the trainer
 through ``transport``.
@@ -24,38 +25,45 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from statistics import fmean, pstdev
-from typing import Any
+from typing import Any, Protocol
 
 from prime_composer.checkpoint_layout import resume_step
+from prime_composer.client.http import read_api_key
 from prime_composer.config.env import SamplingConfig
 from prime_composer.config.orchestrator import OrchestratorConfig
 from prime_composer.metrics import MetricsLogger
-from prime_composer.orchestrator.advantages import compute_advantages, filter_zero_variance
 from prime_composer.orchestrator.envs import LoadedEnv
-from prime_composer.orchestrator.hints import HintBuilder
-from prime_composer.orchestrator.packing import pack_step
+from prime_composer.orchestrator.packing import GroupPacker, pack_step
 from prime_composer.orchestrator.policy import PolicySync
-from prime_composer.orchestrator.rollout import RolloutRunner
+from prime_composer.orchestrator.replay.traces import TraceSender
+from prime_composer.orchestrator.rollout import API_KEY_VAR, RolloutRunner
 from prime_composer.orchestrator.sample import Sample
+from prime_composer.orchestrator.sdpo.hints import HintBuilder
+from prime_composer.orchestrator.sdpo.packing import SDPOPacker
 from prime_composer.orchestrator.state import OrchestratorState, choose_env, task_index
-from prime_composer.transport.factory import make_sender
+from prime_composer.orchestrator.stream import FailureWatch, RolloutStream, RunGroup, StepRollouts
+from prime_composer.transport.factory import BatchSender, make_sender
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class StepRollouts:
-    """What one step's rollout stage produced, kept and not."""
+class BatchSource(Protocol):
+    """A second stream of training data mixed into every batch beside the rollouts (the replay
+    pairs of the teacher service, say). ``take`` is called once per step with the step number and
+    returns that step's items, which the group packer of the same ``name`` packs; its position is
+    part of the orchestrator's checkpoint."""
 
-    kept: list[Sample] = field(default_factory=list)
-    generated: list[Sample] = field(default_factory=list)
-    """Every sample generated this step (for reward statistics), failed ones excluded."""
-    num_errors: int = 0
-    num_zero_variance_groups: int = 0
-    num_off_policy: int = 0
-    num_rounds: int = 0
+    name: str
+
+    async def take(self, step: int) -> list[Any]: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class Orchestrator:
@@ -65,22 +73,29 @@ class Orchestrator:
         envs: list[LoadedEnv],
         pad_token_id: int,
         hints: HintBuilder | None = None,
+        sources: Sequence[BatchSource] = (),
+        packers: Sequence[GroupPacker] = (),
     ) -> None:
-        """``hints`` builds SDPO targets each step (``orchestrator.sdpo.enabled``); None = off."""
-        if config.batch_size % config.group_size:
-            raise ValueError(
-                f"orchestrator.batch_size ({config.batch_size}) must be a multiple of "
-                f"orchestrator.group_size ({config.group_size})"
-            )
+        """``hints`` builds SDPO targets each step (``orchestrator.sdpo.enabled``); None = off.
+        ``sources`` add items to every batch, packed by the ``packers`` of the same name."""
         self.config = config
         self.envs = envs
         self.pad_token_id = pad_token_id
         if config.sdpo.enabled and hints is None:
             raise ValueError("orchestrator.sdpo.enabled needs a HintBuilder (orchestrator/main.py makes one)")
         self.hints = hints
+        self.sources = list(sources)
+        self.packers: list[GroupPacker] = [*([SDPOPacker()] if hints is not None else []), *packers]
+        missing = {src.name for src in self.sources} - {p.name for p in self.packers}
+        if missing:
+            raise ValueError(f"batch sources {sorted(missing)} have no group packer to pack their items")
         self.num_groups = config.batch_size // config.group_size
         self.ckpt_root = config.output_dir / "checkpoints"
         self.state = OrchestratorState(env_draws=[0] * len(envs))
+        """The draw position (ahead of the consumed one while groups are in flight)."""
+        self._drawn: dict[int, tuple[LoadedEnv, int]] = {}
+        self.failure_watch = FailureWatch(config.failure)
+        self.traces: TraceSender | None = None
         self.train_tasks = [loaded.tasks("train") for loaded in envs]
         for loaded, tasks in zip(envs, self.train_tasks, strict=True):
             if not tasks:
@@ -92,8 +107,10 @@ class Orchestrator:
     async def run(self) -> None:
         config = self.config
         if config.ckpt.resume or config.ckpt.resume_step is not None:
-            step = resume_step(self.ckpt_root, config.ckpt.resume_step)
+            step = resume_step(self.ckpt_root, config.ckpt.resume_step, config.ckpt.parts)
             self.state = OrchestratorState.load(self.ckpt_root, step)
+            for source in self.sources:
+                source.load_state_dict(self.state.sources.get(source.name, {}))
             logger.info("resumed at step %d (%d groups drawn)", step, self.state.groups_drawn)
         policy = PolicySync(
             config.output_dir / "broadcasts",
@@ -103,77 +120,104 @@ class Orchestrator:
             timeout_s=config.weights_timeout_s,
         )
         sender = make_sender(config.transport, config.output_dir)
+        replay = config.replay
+        self.traces = (
+            TraceSender(
+                replay.teacher_url,
+                read_api_key(replay.teacher_secret_env, "orchestrator.replay.teacher_secret_env"),
+            )
+            if replay.send_traces and replay.teacher_url is not None
+            else None
+        )
         eval_sampling = config.sampling.model_copy(update={"temperature": config.eval.temperature})
         try:
-            async with RolloutRunner(
-                self.envs,
-                base_url=config.base_url,
-                model=config.model.name,
-                sampling=config.sampling,
-                rollout=config.rollout,
-            ) as runner:
-                while self.state.step < config.max_steps:
-                    step = self.state.step
-                    if (
-                        config.ckpt.interval
-                        and step % config.ckpt.interval == 0
-                        and not self._resumed_at(step)
-                    ):
-                        self.state.save(self.ckpt_root)
-                    metrics: dict[str, Any] = {}
-                    t0 = time.monotonic()
-                    policy_step = await policy.ensure(step - config.max_async_level)
-                    metrics["time/wait_weights_s"] = time.monotonic() - t0
-                    if self._eval_due(step):
-                        metrics.update(await self.evaluate(runner, eval_sampling, policy_step))
-                    t0 = time.monotonic()
-                    rollouts = await self.collect(runner, step, policy_step)
-                    metrics["time/rollout_s"] = time.monotonic() - t0
-                    if self.hints is not None:
-                        t0 = time.monotonic()
-                        hint_stats = await self.hints.apply(rollouts.kept)
-                        metrics.update(hint_stats.metrics(config.sdpo.sources))
-                        metrics["time/hints_s"] = time.monotonic() - t0
-                    rank_batches, stats = pack_step(
-                        rollouts.kept,
-                        config.seq_len,
-                        config.micro_batch_size,
-                        config.num_train_ranks,
-                        self.pad_token_id,
-                        temperature=config.sampling.temperature,
-                    )
-                    sender.send(step, rank_batches)
-                    metrics.update(self._step_metrics(step, policy_step, rollouts))
-                    metrics.update(
-                        {
-                            "pack/fill_ratio": stats.fill_ratio,
-                            "pack/num_rows": stats.num_rows,
-                            "pack/truncated": len(stats.truncated_sample_ids),
-                            "pack/dropped": len(stats.dropped_sample_ids),
-                        }
-                    )
-                    if self.hints is not None:
-                        metrics["sdpo/packed_samples"] = stats.num_sdpo_samples
-                        metrics["sdpo/teacher_rows"] = stats.num_teacher_rows
-                        metrics["sdpo/pack_dropped"] = len(stats.sdpo_dropped_sample_ids)
-                    self.metrics.log(step, metrics)
-                    logger.info(
-                        "step %d: reward %.3f, %d samples, policy lag %d",
-                        step,
-                        metrics.get("reward/mean", float("nan")),
-                        len(rollouts.kept),
-                        step - policy_step,
-                    )
-                    self.state.step += 1
-                final = self.state.step
+            async with (
+                RolloutRunner(
+                    self.envs,
+                    base_url=config.base_url,
+                    model=config.model.name,
+                    sampling=config.sampling,
+                    rollout=config.rollout,
+                    # With a secret every route of the server needs it, generation included.
+                    api_key_var=config.inference_secret_env or API_KEY_VAR,
+                ) as runner,
+                RolloutStream(
+                    config, self.state, self._draw_group, self._group_runner(runner), policy
+                ) as stream,
+            ):
+                while stream.step < config.max_steps:
+                    await self._step(stream, runner, policy, sender, eval_sampling)
+                final = stream.step
                 if config.ckpt.at_end:
-                    self.state.save(self.ckpt_root)
+                    self._save(stream)
                 if config.eval.interval and self._has_eval():
                     # The last batch's weights are published after the trainer's final step.
                     policy_step = await policy.ensure(final)
                     self.metrics.log(final, await self.evaluate(runner, eval_sampling, policy_step))
         finally:
             sender.close()
+            await policy.aclose()
+            if self.traces is not None:
+                await self.traces.aclose()
+
+    async def _step(
+        self,
+        stream: RolloutStream,
+        runner: RolloutRunner,
+        policy: PolicySync,
+        sender: BatchSender,
+        eval_sampling: SamplingConfig,
+    ) -> None:
+        config = self.config
+        step = stream.step
+        if config.ckpt.interval and step % config.ckpt.interval == 0 and not self._resumed_at(step):
+            self._save(stream)
+        metrics: dict[str, Any] = {}
+        if self._eval_due(step):
+            policy_step = await policy.ensure(step - config.max_async_level)
+            metrics.update(await self.evaluate(runner, eval_sampling, policy_step))
+        t0 = time.monotonic()
+        rollouts = await stream.next_step()
+        metrics["time/rollout_s"] = time.monotonic() - t0
+        self.failure_watch.check(step, rollouts)
+        if self.traces is not None:  # the teacher service replays the run's own rollouts
+            self.traces.send(rollouts.generated)
+            metrics.update(self.traces.metrics())
+        metrics["time/wait_weights_s"], stream.wait_weights_s = stream.wait_weights_s, 0.0
+        if self.hints is not None:
+            t0 = time.monotonic()
+            hint_stats = await self.hints.apply(rollouts.kept)
+            metrics.update(hint_stats.metrics(config.sdpo.sources))
+            metrics["time/hints_s"] = time.monotonic() - t0
+        extras = {source.name: await source.take(step) for source in self.sources}
+        for source in self.sources:
+            metrics.update(source.metrics())
+        rank_batches, stats = pack_step(
+            rollouts.kept,
+            config.seq_len,
+            config.micro_batch_size,
+            config.num_train_ranks,
+            self.pad_token_id,
+            temperature=config.sampling.temperature,
+            packers=self.packers,
+            extras=extras,
+        )
+        sender.send(step, rank_batches)
+        metrics.update(self._step_metrics(step, rollouts))
+        metrics.update(stats.metrics())
+        self.metrics.log(step, metrics)
+        logger.info(
+            "step %d: reward %.3f, %d samples, policy lag %s",
+            step,
+            metrics.get("reward/mean", float("nan")),
+            len(rollouts.kept),
+            metrics.get("async/policy_lag", "-"),
+        )
+
+    def _save(self, stream: RolloutStream) -> None:
+        state = stream.checkpoint_state()
+        state.sources = {source.name: source.state_dict() for source in self.sources}
+        state.save(self.ckpt_root, self.config.ckpt.keep)
 
     def _resumed_at(self, step: int) -> bool:
         """The checkpoint of the step we resumed from already exists: don't rewrite it."""
@@ -190,58 +234,30 @@ class Orchestrator:
 
     # ------------------------------------------------------------------------------ rollouts
 
-    def _draw_group(self) -> tuple[LoadedEnv, int, int]:
-        """(environment, task index, group id) of the next group, advancing the state."""
+    def _draw_group(self) -> int:
+        """Draw the next group (advancing the draw counters) and return its id."""
         group_id = self.state.groups_drawn
         env_i = choose_env(self.config.seed, group_id, [e.config.ratio for e in self.envs])
         draw = self.state.env_draws[env_i]
         index = task_index(self.config.seed, env_i, draw, len(self.train_tasks[env_i]))
         self.state.groups_drawn += 1
         self.state.env_draws[env_i] += 1
-        return self.envs[env_i], index, group_id
+        self._drawn[group_id] = (self.envs[env_i], index)
+        return group_id
 
-    async def collect(self, runner: RolloutRunner, step: int, policy_step: int) -> StepRollouts:
-        config = self.config
-        out = StepRollouts()
-        groups: list[list[Sample]] = []
-        missing = self.num_groups
-        while missing > 0 and out.num_rounds <= config.max_refill_rounds:
-            out.num_rounds += 1
-            draws = [self._draw_group() for _ in range(missing)]
-            results = await asyncio.gather(
-                *(
-                    runner.run_group(
-                        loaded,
-                        self.train_tasks[loaded.index][index],
-                        group_size=config.group_size,
-                        example_id=index,
-                        group_id=group_id,
-                        policy_step=policy_step,
-                    )
-                    for loaded, index, group_id in draws
-                )
+    def _group_runner(self, runner: RolloutRunner) -> RunGroup:
+        async def run_group(group_id: int, policy_step: int) -> list[Sample]:
+            loaded, index = self._drawn.pop(group_id)
+            return await runner.run_group(
+                loaded,
+                self.train_tasks[loaded.index][index],
+                group_size=self.config.group_size,
+                example_id=index,
+                group_id=group_id,
+                policy_step=policy_step,
             )
-            for group in results:
-                ok = [s for s in group if s.error is None]
-                out.num_errors += len(group) - len(ok)
-                fresh = [s for s in ok if step - s.policy_step <= config.max_off_policy_steps]
-                out.num_off_policy += len(ok) - len(fresh)
-                out.generated.extend(ok)
-                if not fresh:
-                    continue
-                scored = compute_advantages(fresh, config.advantage, max_tokens=config.sampling.max_tokens)
-                if config.advantage.dynamic_sampling:
-                    scored, dropped = filter_zero_variance(scored)
-                    out.num_zero_variance_groups += dropped
-                    if not scored:
-                        continue
-                groups.append(scored)
-            missing = self.num_groups - len(groups)
-            if not config.advantage.dynamic_sampling:
-                break
-        for group in groups[: self.num_groups]:
-            out.kept.extend(group)
-        return out
+
+        return run_group
 
     async def evaluate(
         self, runner: RolloutRunner, sampling: SamplingConfig, policy_step: int
@@ -276,17 +292,20 @@ class Orchestrator:
 
     # ------------------------------------------------------------------------------- metrics
 
-    def _step_metrics(self, step: int, policy_step: int, rollouts: StepRollouts) -> dict[str, float]:
+    def _step_metrics(self, step: int, rollouts: StepRollouts) -> dict[str, float]:
         generated = rollouts.generated
         metrics: dict[str, float] = {
-            "async/policy_lag": step - policy_step,
             "samples/kept": len(rollouts.kept),
             "samples/generated": len(generated),
             "samples/errors": rollouts.num_errors,
             "samples/off_policy_dropped": rollouts.num_off_policy,
             "groups/zero_variance_dropped": rollouts.num_zero_variance_groups,
-            "groups/rounds": rollouts.num_rounds,
+            "groups/consumed": rollouts.num_groups,
         }
+        if rollouts.policy_steps:
+            lags = [step - p for p in rollouts.policy_steps]
+            metrics["async/policy_lag"] = fmean(lags)
+            metrics["async/policy_lag_max"] = max(lags)
         if not generated:
             return metrics
         rewards = [s.reward for s in generated]

@@ -34,7 +34,7 @@ def run(config: OrchestratorConfig) -> int:
         raise ConfigError(str(e)) from None
     hints = None
     if config.sdpo.enabled:
-        from prime_composer.orchestrator.hints import HintBuilder
+        from prime_composer.orchestrator.sdpo.hints import HintBuilder
 
         try:
             hints = HintBuilder(
@@ -45,7 +45,17 @@ def run(config: OrchestratorConfig) -> int:
             )
         except ValueError as e:  # names the orchestrator.sdpo key to fix
             raise ConfigError(str(e)) from None
-    asyncio.run(Orchestrator(config, envs, pad_token_id=pad_id, hints=hints).run())
+    sources, packers = [], []
+    if config.replay.enabled:
+        from prime_composer.orchestrator.replay.packing import DPOPacker
+        from prime_composer.orchestrator.replay.source import PairSource
+
+        sources.append(PairSource(config.replay, config.output_dir))
+        packers.append(DPOPacker())
+    orchestrator = Orchestrator(
+        config, envs, pad_token_id=pad_id, hints=hints, sources=sources, packers=packers
+    )
+    asyncio.run(orchestrator.run())
     return 0
 
 

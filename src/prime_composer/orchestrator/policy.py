@@ -52,9 +52,19 @@ class PolicySync:
             )
         # Loading a large model can take minutes: one attempt may run 10 min; a refused connection
         # (the server restarting) is retried, a refusal (4xx) is final.
+        self._lock = asyncio.Lock()
         self._client = EndpointClient(
             self.server_url, retry=RetryConfig(timeout_s=600.0, max_retries=3), api_key=secret
         )
+
+    async def load_newest(self) -> int:
+        """Load the newest published weights if they are newer than the server's; returns the step
+        the server runs. Safe to call from several tasks: one load at a time."""
+        async with self._lock:
+            latest = latest_stable(self.broadcast_root)
+            if latest is not None and latest[0] > self.loaded_step:
+                await self._load(*latest)
+        return self.loaded_step
 
     async def ensure(self, min_step: int) -> int:
         """Return once the server runs weights of step ``>= min_step``; loads newer ones on the way.
@@ -63,10 +73,7 @@ class PolicySync:
         """
         deadline = time.monotonic() + self.timeout_s
         while True:
-            latest = latest_stable(self.broadcast_root)
-            if latest is not None and latest[0] > self.loaded_step:
-                await self._load(*latest)
-            if self.loaded_step >= min_step:
+            if await self.load_newest() >= min_step:
                 return self.loaded_step
             if time.monotonic() > deadline:
                 raise WeightSyncError(

@@ -2,17 +2,26 @@
 
 ``RolloutRunner`` holds the loaded environments' serving resources (verifiers' interception
 pool, on 127.0.0.1) for as long as it is entered. ``run_group`` plays ``group_size`` episodes of
-one task against the inference server at ``base_url`` (OpenAI chat completions), at most
-``rollout.max_concurrent`` episodes at a time across all groups, and returns one ``Sample`` per
-trainable trace: prompt and completion token ids, sampled logprobs, reward and metrics.
+one task against the inference server at ``base_url``, at most ``rollout.max_concurrent``
+episodes at a time across all groups, and returns the Samples of every trainable trace: prompt
+and completion token ids, sampled logprobs, reward and metrics. Chat environments make one chat
+call per segment (``harness.py``); environments with tools run the token-in agent loop
+(``agent_harness.py``).
 
-A bad rollout is data, not a crash: a server error, missing token ids or logprobs, a
-multi-turn prompt that does not extend the previous turn's tokens, or an exception anywhere in
-the environment gives a ``Sample`` with ``error`` set, reward 0 and an empty completion.
+**Samples from turns** (PRIME-RL's rule). Consecutive model calls of an episode merge into one
+Sample while each prompt extends the previous turn's tokens: the completion is everything after
+the first prompt, the policy's tokens with mask 1 and their logprobs, the tokens between turns
+(tool results, user turns, template markup) with mask 0 and logprob 0. A turn whose prompt does
+not extend them (a chat template that rewrites history) starts a new Sample; all Samples of an
+episode carry its reward, so they share the group's advantage. Each Sample keeps one
+``TurnInfo`` per assistant turn on ``info["turns"]`` (token span, tool calls and results, exit
+codes, timing), the conversation on ``info["messages"]`` and, for agent episodes, where the error
+is (``info["error_turn"]``, ``info["feedback"]``: ``episode.localize_error`` unless the
+environment said so itself), which SDPO's hint targeting reads.
 
-Multi-turn: the completion is everything after the first prompt. Turn k's ``prompt_token_ids``
-must start with everything before it (first prompt + completions + spliced tokens so far); the
-new tokens between (tool results, user turns, template markup) go in with mask 0.
+A bad rollout is data, not a crash: a server error, missing token ids or logprobs, or an
+exception anywhere in the environment gives a ``Sample`` with ``error`` set, reward 0 and an
+empty completion.
 """
 
 from __future__ import annotations
@@ -22,15 +31,19 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import verifiers.v1 as vf
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.env import RunSlot
 
 from prime_composer.config.env import RolloutConfig, SamplingConfig
+from prime_composer.orchestrator.agent_harness import AGENT_KEY
+from prime_composer.orchestrator.agent_task import close_sandboxes
 from prime_composer.orchestrator.envs import LoadedEnv
+from prime_composer.orchestrator.episode import BUDGET_STOPS, AgentEpisode, TurnInfo, localize_error
+from prime_composer.orchestrator.generate import close_clients
 from prime_composer.orchestrator.harness import TURNS_KEY, TurnRecord
 from prime_composer.orchestrator.sample import Sample
 
@@ -92,6 +105,8 @@ class RolloutRunner:
         if self._stack is not None:
             await self._stack.aclose()
         self._stack = self._semaphore = None
+        await close_clients()
+        await asyncio.to_thread(close_sandboxes)
 
     async def run_group(
         self,
@@ -163,53 +178,124 @@ def derive_seed(seed: int, group_id: int, rollout_index: int) -> int:
 
 
 def episode_samples(episode: vf.Episode, env_label: str, keys: GroupKeys) -> list[Sample]:
-    """One Sample per trainable trace of a finished episode (an error Sample if it has none)."""
+    """The Samples of every trainable trace of a finished episode (an error Sample if it has none)."""
     traces = [t for t in episode.traces if t.agent is None or t.agent.trainable]
     if not traces:
         error = _describe(episode.errors) or "episode produced no trainable trace"
         return [_error_sample(error, env_label, keys)]
     episode_error = _describe(episode.errors)
-    return [trace_sample(trace, env_label, keys, episode_error=episode_error) for trace in traces]
+    return [s for trace in traces for s in trace_samples(trace, env_label, keys, episode_error=episode_error)]
 
 
-def trace_sample(
+def trace_samples(
     trace: vf.Trace,
     env_label: str,
     keys: GroupKeys,
     *,
     episode_error: str | None = None,
-) -> Sample:
-    """A Sample from one trace: its token records, reward and metrics, or an error Sample."""
-    turns: list[TurnRecord] = trace.info.get(TURNS_KEY, [])
+) -> list[Sample]:
+    """The Samples of one trace (one per merged segment of its turns), or one error Sample."""
     info = _trace_info(trace, env_label)
     error = episode_error or (None if trace.ok else _describe(trace.errors) or "rollout failed")
-    if error is None and not turns:
+    agent: AgentEpisode | None = trace.info.get(AGENT_KEY)
+    if agent is not None:
+        info["messages"] = agent.messages
+        return _agent_samples(trace, agent, info, keys, error)
+    records: list[TurnRecord] = trace.info.get(TURNS_KEY, [])
+    if error is None and not records:
         error = f"the rollout made no model call (stop: {trace.stop_condition})"
+    segments: list[Segment] = []
     if error is None:
         try:
-            prompt_ids, completion_ids, logprobs, mask = assemble_tokens(turns)
+            segments = assemble_tokens(records)
         except TokenError as e:
             error = str(e)
     if error is not None:
-        prompt = (turns[0]["prompt_token_ids"] if turns else None) or []
-        return _error_sample(error, env_label, keys, prompt_ids=list(prompt), info=info)
-    return Sample(
-        prompt_ids=prompt_ids,
-        completion_ids=completion_ids,
-        completion_logprobs=logprobs,
-        completion_mask=mask,
-        reward=trace.reward,
-        is_truncated=turns[-1]["finish_reason"] == "length" or trace.is_truncated,
-        metrics=_trace_metrics(trace),
-        info=info,
-        example_id=keys.example_id,
-        group_id=keys.group_id,
-        policy_step=keys.policy_step,
-    )
+        prompt = (records[0]["prompt_token_ids"] if records else None) or []
+        return [_error_sample(error, env_label, keys, prompt_ids=list(prompt), info=info)]
+    assistant_at = [i for i, m in enumerate(info["messages"]) if m.get("role") == "assistant"]
+    truncated = records[-1]["finish_reason"] == "length" or trace.is_truncated
+    samples = []
+    for segment in segments:
+        turns = [
+            TurnInfo(
+                index=k,
+                span=span,
+                message_index=assistant_at[k] if len(assistant_at) == len(records) else None,
+                finish_reason=records[k]["finish_reason"],
+            )
+            for k, span in zip(segment.turns, segment.spans, strict=True)
+        ]
+        samples.append(
+            _sample(segment, trace.reward, truncated, _trace_metrics(trace), {**info, "turns": turns}, keys)
+        )
+    return samples
 
 
-def assemble_tokens(turns: Sequence[TurnRecord]) -> tuple[list[int], list[int], list[float], list[int]]:
-    """(prompt ids, completion ids, completion logprobs, completion mask) of a rollout's calls."""
+@dataclass
+class Segment:
+    """The tokens of consecutive turns that extend each other: one Sample's worth."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    """Indices of the episode's turns in this segment, in order."""
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    """Each of those turns' policy tokens: ``completion_ids[start:end]``."""
+
+
+class TokenTurn(Protocol):
+    """One model call in segment form (``episode.AgentTurn`` is one)."""
+
+    @property
+    def new_segment(self) -> bool: ...
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The whole prompt when ``new_segment``, else the tokens added since the previous reply."""
+        ...
+
+    @property
+    def completion_ids(self) -> list[int]: ...
+    @property
+    def logprobs(self) -> list[float]: ...
+
+
+@dataclass(frozen=True)
+class _Turn:
+    new_segment: bool
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+
+
+def assemble_segments(turns: Sequence[TokenTurn]) -> list[Segment]:
+    """Merge consecutive turns into segments (see the module docstring)."""
+    segments: list[Segment] = []
+    for k, turn in enumerate(turns):
+        if turn.new_segment or not segments:
+            segments.append(Segment(prompt_ids=list(turn.prompt_ids)))
+            segment = segments[-1]
+        else:
+            segment = segments[-1]
+            segment.completion_ids += turn.prompt_ids
+            segment.logprobs += [0.0] * len(turn.prompt_ids)
+            segment.mask += [0] * len(turn.prompt_ids)
+        start = len(segment.completion_ids)
+        segment.completion_ids += turn.completion_ids
+        segment.logprobs += turn.logprobs
+        segment.mask += [1] * len(turn.completion_ids)
+        segment.turns.append(k)
+        segment.spans.append((start, len(segment.completion_ids)))
+    return segments
+
+
+def assemble_tokens(turns: Sequence[TurnRecord]) -> list[Segment]:
+    """The segments of a chat rollout's calls, from the server's ``prompt_token_ids``: a prompt that
+    starts with everything before it extends the segment, any other starts a new one.
+
+    Raises ``TokenError`` when a call has no token ids or logprobs, or they disagree in length."""
     for k, turn in enumerate(turns):
         if turn["prompt_token_ids"] is None or turn["completion_token_ids"] is None:
             raise TokenError(
@@ -223,28 +309,137 @@ def assemble_tokens(turns: Sequence[TurnRecord]) -> tuple[list[int], list[int], 
                 f"turn {k}: {len(turn['completion_token_ids'])} completion token ids but "
                 f"{len(turn['completion_logprobs'])} logprobs"
             )
-    prompt_ids = list(turns[0]["prompt_token_ids"] or [])
-    completion_ids: list[int] = []
-    logprobs: list[float] = []
-    mask: list[int] = []
-    for k, turn in enumerate(turns):
-        if k > 0:
-            context = prompt_ids + completion_ids
-            next_prompt = turn["prompt_token_ids"] or []
-            if next_prompt[: len(context)] != context:
-                raise TokenError(
-                    f"turn {k}: its prompt tokens do not extend the previous turns' tokens (the chat "
-                    "template re-tokenized earlier text differently); multi-turn training needs prefix-"
-                    "consistent rendering"
-                )
-            spliced = next_prompt[len(context) :]
-            completion_ids += spliced
-            logprobs += [0.0] * len(spliced)
-            mask += [0] * len(spliced)
-        completion_ids += turn["completion_token_ids"] or []
-        logprobs += turn["completion_logprobs"] or []
-        mask += [1] * len(turn["completion_token_ids"] or [])
-    return prompt_ids, completion_ids, logprobs, mask
+    token_turns: list[_Turn] = []
+    context: list[int] | None = None
+    for turn in turns:
+        prompt = list(turn["prompt_token_ids"] or [])
+        completion = list(turn["completion_token_ids"] or [])
+        extends = context is not None and prompt[: len(context)] == context
+        added = prompt[len(context) :] if extends and context is not None else prompt
+        token_turns.append(_Turn(not extends, added, completion, list(turn["completion_logprobs"] or [])))
+        context = prompt + completion
+    return assemble_segments(token_turns)
+
+
+def _agent_samples(
+    trace: vf.Trace, episode: AgentEpisode, info: dict[str, Any], keys: GroupKeys, error: str | None
+) -> list[Sample]:
+    env_label = info["env"]
+    if error is None and not episode.turns:
+        error = f"the episode made no model call (stop: {episode.stop or trace.stop_condition})"
+    if error is not None:
+        prompt = episode.turns[0].prompt_ids if episode.turns else []
+        return [_error_sample(error, env_label, keys, prompt_ids=list(prompt), info=info)]
+    info["tools"] = episode.tools
+    info["render_tools"] = episode.rendered_tools
+    info["tool_call_format"] = episode.tool_call_format
+    info["stop"] = episode.stop or trace.stop_condition or "timeout"
+    metrics = {**_trace_metrics(trace), **_agent_metrics(episode)}
+    truncated = (
+        info["stop"] in BUDGET_STOPS or episode.turns[-1].finish_reason == "length" or trace.is_timeout
+    )
+    segments = assemble_segments(episode.turns)
+    targets = _error_targets(trace, episode, segments)
+    samples = []
+    for number, segment in enumerate(segments):
+        turns = [
+            TurnInfo.of(episode.turns[k], span) for k, span in zip(segment.turns, segment.spans, strict=True)
+        ]
+        sample_info = {k: v for k, v in info.items() if k not in ENV_INFO_KEYS}
+        sample_info.update(targets[number], turns=turns, segment=number, num_segments=len(segments))
+        samples.append(_sample(segment, trace.reward, truncated, metrics, sample_info, keys))
+    return samples
+
+
+def _error_targets(trace: vf.Trace, episode: AgentEpisode, segments: list[Segment]) -> list[dict[str, Any]]:
+    """Per segment, the SDPO keys (``error_turn``, ``feedback``, ``error_kind``) in its own turn
+    numbering. The environment's own ``trace.info`` keys (episode turn numbers, negative from the
+    end, feedback without a turn is about the last one) win; ``localize_error`` fills in the error
+    turn and its feedback when the environment named no error turn."""
+    num_turns = len(episode.turns)
+    where = {k: (number, j) for number, seg in enumerate(segments) for j, k in enumerate(seg.turns)}
+
+    def valid(turn: Any) -> bool:
+        return isinstance(turn, int) and not isinstance(turn, bool) and -num_turns <= turn < num_turns
+
+    def local(turn: Any, number: int) -> int | None:
+        """``turn`` (episode numbering) as a turn of segment ``number``, None if it is not in it."""
+        if not valid(turn):
+            return None
+        found = where[turn % num_turns]
+        return found[1] if found[0] == number else None
+
+    raw = trace.info.get("feedback")
+    entries = [] if raw is None else raw if isinstance(raw, list) else [raw]
+    error_turn = trace.info.get("error_turn")
+    localized = localize_error(episode) if error_turn is None else None
+    if localized is not None:
+        error_turn = localized[0]
+        entries = [*entries, {"text": localized[2], "turn": localized[0], "kind": localized[1]}]
+    targets: list[dict[str, Any]] = []
+    for number in range(len(segments)):
+        target: dict[str, Any] = {}
+        if "error_kind" in trace.info:
+            target["error_kind"] = trace.info["error_kind"]
+        if error_turn is not None and not valid(error_turn):
+            if number == len(segments) - 1:
+                target["error_turn"] = error_turn  # invalid: the hint builder counts it as a bad error turn
+        elif error_turn is not None and (turn := local(error_turn, number)) is not None:
+            target["error_turn"] = turn
+        feedback = []
+        for entry in entries:
+            if isinstance(entry, str):
+                entry = {"text": entry}
+            turn = entry.get("turn") if isinstance(entry, dict) else None
+            if not isinstance(entry, dict) or (
+                turn is not None and (not isinstance(turn, int) or isinstance(turn, bool))
+            ):
+                if number == len(segments) - 1:
+                    feedback.append(entry)  # malformed: the hint builder counts it as bad feedback
+                continue
+            mapped = local(-1 if turn is None else turn, number)
+            if mapped is not None:
+                feedback.append({**entry, "turn": mapped})
+        if feedback:
+            target["feedback"] = feedback
+        targets.append(target)
+    return targets
+
+
+def _agent_metrics(episode: AgentEpisode) -> dict[str, float]:
+    results = [r for turn in episode.turns for r in turn.tool_results]
+    return {
+        "agent/num_tool_calls": float(len(results)),
+        "agent/tool_errors": float(sum(not r.ok for r in results)),
+        "agent/malformed_calls": float(sum(len(turn.malformed) for turn in episode.turns)),
+        "agent/test_runs": float(sum(r.name == "run_tests" for r in results)),
+        "agent/episode_s": episode.duration_s,
+        "agent/generated_tokens": float(episode.num_generated),
+        "num_turns": float(len(episode.turns)),
+    }
+
+
+def _sample(
+    segment: Segment,
+    reward: float,
+    truncated: bool,
+    metrics: dict[str, float],
+    info: dict[str, Any],
+    keys: GroupKeys,
+) -> Sample:
+    return Sample(
+        prompt_ids=segment.prompt_ids,
+        completion_ids=segment.completion_ids,
+        completion_logprobs=segment.logprobs,
+        completion_mask=segment.mask,
+        reward=reward,
+        is_truncated=truncated,
+        metrics=dict(metrics),
+        info=info,
+        example_id=keys.example_id,
+        group_id=keys.group_id,
+        policy_step=keys.policy_step,
+    )
 
 
 def _trace_metrics(trace: vf.Trace) -> dict[str, float]:
@@ -256,7 +451,7 @@ def _trace_metrics(trace: vf.Trace) -> dict[str, float]:
 
 ENV_INFO_KEYS = ("feedback", "error_turn", "error_kind")
 """Keys an environment may set on ``trace.info`` for SDPO's hint sources (see
-``orchestrator/hint_sources.py``); they are copied to ``Sample.info`` as they are."""
+``orchestrator/sdpo/sources.py``); they are copied to ``Sample.info`` as they are."""
 
 
 def _trace_info(trace: vf.Trace, env_label: str) -> dict[str, Any]:

@@ -37,13 +37,8 @@ class Sample:
     """Per-sample environment metrics (e.g. individual reward functions), averaged into logs."""
     info: dict[str, Any] = field(default_factory=dict)
     """Free-form extras (e.g. messages, env feedback) used by later stages such as SDPO hints."""
-    sdpo_span: tuple[int, int] | None = None
-    """SDPO target: ``(start, end)`` indices into ``completion_ids`` of the hinted turn (policy tokens
-    only); None when the sample has no hint. Set by ``orchestrator.hints``."""
-    teacher_prefix_ids: list[int] | None = None
-    """SDPO teacher context: the tokens before the target turn with the hint inserted, rendered with
-    the same chat template, so the teacher scores ``teacher_prefix_ids + completion_ids[start:end]``.
-    Set together with ``sdpo_span``."""
+    sdpo: SDPOTarget | None = None
+    """SDPO target of a hinted sample (set by ``orchestrator/sdpo/hints.py``); None without a hint."""
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -52,10 +47,8 @@ class Sample:
                 f"Sample: completion_ids ({n}), completion_logprobs ({len(self.completion_logprobs)}) "
                 f"and completion_mask ({len(self.completion_mask)}) must have the same length"
             )
-        if (self.sdpo_span is None) != (self.teacher_prefix_ids is None):
-            raise ValueError("Sample: sdpo_span and teacher_prefix_ids must be set together")
-        if self.sdpo_span is not None:
-            self.set_sdpo_target(self.sdpo_span, self.teacher_prefix_ids or [])
+        if self.sdpo is not None:
+            self.set_sdpo_target(self.sdpo.span, self.sdpo.teacher_prefix_ids)
 
     def set_sdpo_target(self, span: tuple[int, int], teacher_prefix_ids: list[int]) -> None:
         """Mark ``completion_ids[start:end]`` as the SDPO target scored after ``teacher_prefix_ids``."""
@@ -63,11 +56,21 @@ class Sample:
         n = len(self.completion_ids)
         if not 0 <= start < end <= n:
             raise ValueError(
-                f"Sample: sdpo_span {span} is not a non-empty range of the {n} completion tokens"
+                f"Sample: sdpo span {span} is not a non-empty range of the {n} completion tokens"
             )
         if not all(self.completion_mask[start:end]):
-            raise ValueError(f"Sample: sdpo_span {span} covers tokens the policy did not generate (mask 0)")
+            raise ValueError(f"Sample: sdpo span {span} covers tokens the policy did not generate (mask 0)")
         if not teacher_prefix_ids:
-            raise ValueError("Sample: teacher_prefix_ids is empty")
-        self.sdpo_span = (start, end)
-        self.teacher_prefix_ids = list(teacher_prefix_ids)
+            raise ValueError("Sample: the SDPO teacher prefix is empty")
+        self.sdpo = SDPOTarget(span=(start, end), teacher_prefix_ids=list(teacher_prefix_ids))
+
+
+@dataclass(frozen=True)
+class SDPOTarget:
+    """What SDPO distills on one sample: the student's target-turn tokens and the teacher's context."""
+
+    span: tuple[int, int]
+    """``(start, end)`` indices into ``completion_ids`` of the hinted turn (policy tokens only)."""
+    teacher_prefix_ids: list[int]
+    """The tokens before the target turn with the hint inserted, rendered with the same chat template,
+    so the teacher scores ``teacher_prefix_ids + completion_ids[start:end]``."""

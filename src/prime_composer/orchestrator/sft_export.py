@@ -4,8 +4,10 @@
 
 Each line is ``{"messages": [...prompt..., {"role": "assistant", "content": <reference>}]}`` for
 a task of the train split (never the held-out split), cycling over the tasks in a seeded order
-until ``--num-examples`` lines are written. The ``rl`` launcher runs it before the ``sft`` stage
-when ``[warmup]`` is on and no data file is given.
+until ``--num-examples`` lines are written. Environments with tools give their reference episodes
+instead: every reply and tool result as messages, plus the ``tools`` the chat template renders
+(``envs.sft_records``). The ``rl`` launcher runs it before the ``sft`` stage when ``[warmup]`` is
+on and no data file is given.
 """
 
 from __future__ import annotations
@@ -23,22 +25,20 @@ from prime_composer.logs import setup_logging
 
 def export_sft_data(config: OrchestratorConfig, out: Path, num_examples: int) -> int:
     """Write ``num_examples`` conversations to ``out``; returns how many distinct tasks were used."""
-    from prime_composer.orchestrator.envs import load_envs, sft_pairs
+    from prime_composer.orchestrator.envs import load_envs, sft_records
 
     envs = load_envs(config.env, config.rollout)
-    pairs = [pair for loaded in envs for pair in sft_pairs(loaded, "train")]
-    if not pairs:
+    records = [record for loaded in envs for record in sft_records(loaded, "train")]
+    if not records:
         raise ValueError("orchestrator.env: the train split has no tasks to build SFT data from")
     rng = random.Random(config.seed)
     lines: list[str] = []
     while len(lines) < num_examples:
-        order = list(range(len(pairs)))
+        order = list(range(len(records)))
         rng.shuffle(order)
-        for i in order[: num_examples - len(lines)]:
-            messages, answer = pairs[i]
-            lines.append(json.dumps({"messages": [*messages, {"role": "assistant", "content": answer}]}))
+        lines += [json.dumps(records[i]) for i in order[: num_examples - len(lines)]]
     atomic_write_text(out, "\n".join(lines) + "\n")
-    return len(pairs)
+    return len(records)
 
 
 def main() -> None:

@@ -1,9 +1,11 @@
 """The orchestrator's resumable state, checkpointed next to the trainer's.
 
 Everything that decides which batch comes next is a counter, so the state is a few integers
-(no RNG objects to pickle): the step about to be produced, how many groups were drawn in total
-(each group's number seeds its sampling), and how many tasks each environment has handed out
-(the task order is a seeded permutation per epoch).
+(no RNG objects to pickle): the step about to be produced, how many groups were consumed in total
+(each group's number seeds its sampling), how many tasks each environment has handed out (the
+task order is a seeded permutation per epoch), and the batch sources' positions. The same class
+holds the draw position, which runs ahead of the consumed one while groups are in flight
+(``stream.py``); checkpoints hold the consumed one.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import json
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-from prime_composer.checkpoint_layout import marker_path, step_dir
+from prime_composer.checkpoint_layout import marker_path, prune_part, step_dir
+from prime_composer.integrity import verify_manifest, write_manifest
 from prime_composer.io import atomic_write_text
 
 PART = "orchestrator"
@@ -28,16 +32,24 @@ class OrchestratorState:
     """Groups drawn so far over the whole run (the next group's id)."""
     env_draws: list[int] = field(default_factory=list)
     """Tasks drawn so far from each environment."""
+    sources: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The position of each batch source (``BatchSource.state_dict``), by name."""
 
-    def save(self, ckpt_root: Path) -> None:
-        """Write ``step_<N>/orchestrator/state.json``, then the part's ``STABLE`` marker."""
-        path = step_dir(ckpt_root, self.step) / PART / "state.json"
-        atomic_write_text(path, json.dumps(asdict(self), indent=2) + "\n")
+    def save(self, ckpt_root: Path, keep: int) -> None:
+        """Write ``step_<N>/orchestrator/state.json`` and its manifest, then the part's ``STABLE``
+        marker; then drop this part of all but the newest ``keep`` complete steps."""
+        directory = step_dir(ckpt_root, self.step) / PART
+        atomic_write_text(directory / "state.json", json.dumps(asdict(self), indent=2) + "\n")
+        write_manifest(directory)
         atomic_write_text(marker_path(ckpt_root, self.step, PART), "")
+        prune_part(ckpt_root, PART, keep, keep_also=self.step)
 
     @classmethod
     def load(cls, ckpt_root: Path, step: int) -> OrchestratorState:
-        data = json.loads((step_dir(ckpt_root, step) / PART / "state.json").read_text())
+        """The state of ``step``, after checking it against its manifest (``IntegrityError`` if not)."""
+        directory = step_dir(ckpt_root, step) / PART
+        verify_manifest(directory)
+        data = json.loads((directory / "state.json").read_text())
         return cls(**data)
 
 

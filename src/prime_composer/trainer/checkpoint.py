@@ -18,9 +18,13 @@ because the parts are written by different processes at different times; one ste
 would need them to agree on who writes it last.
 
 Atomicity: every rank writes into ``<root>/step_<N>/.trainer.tmp/``; after a barrier rank 0
-renames it to ``trainer/`` and only then writes ``trainer.STABLE``. A crash at any point leaves
+writes ``MANIFEST.json`` (size and SHA-256 of every file: ``prime_composer.integrity``), renames
+the directory to ``trainer/`` and only then writes ``trainer.STABLE``. A crash at any point leaves
 either no marker (never loaded) or a complete part. Deleting goes in the opposite order (marker
-first), so a half-deleted checkpoint is never mistaken for a complete one.
+first), so a half-deleted checkpoint is never mistaken for a complete one. Loading verifies the
+manifest first, so a truncated, zeroed or missing file is an error naming it, never different
+weights. A save that fails (a full disk) removes its partial files and says which checkpoint is
+still intact.
 
 Why DCP for model and optimizer: each rank writes only its own FSDP2 shards, in parallel, with no
 gather of the full model *and* its two AdamW moments into rank 0's memory (3x the model in fp32,
@@ -51,6 +55,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from prime_composer.checkpoint_layout import (
     all_steps,
@@ -58,8 +63,10 @@ from prime_composer.checkpoint_layout import (
     is_complete,
     latest_complete_step,
     marker_path,
+    prune_part,
     step_dir,
 )
+from prime_composer.integrity import verify_manifest, write_manifest
 from prime_composer.io import atomic_write_text
 from prime_composer.trainer.model import World
 
@@ -80,6 +87,10 @@ __all__ = [
     "marker_path",
     "step_dir",
 ]
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (its partial files are gone; older checkpoints are intact)."""
 
 
 class CheckpointManager:
@@ -118,8 +129,6 @@ class CheckpointManager:
         names go into ``meta.json`` so ``load`` can say when one is missing. Returns the part's
         directory. Re-saving an existing step replaces it.
         """
-        import torch.distributed.checkpoint as dcp
-
         extra = dict(extra or {})
         states = _check_states(states)
         try:
@@ -132,11 +141,53 @@ class CheckpointManager:
         started = time.perf_counter()
         final = step_dir(self.root, step) / self.part
         tmp = step_dir(self.root, step) / f".{self.part}.tmp"
+        try:
+            self._write(tmp, step, model, optimizer, scheduler, extra, states)
+        except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+            # e.g. no space left on the device (torch.save reports it as a RuntimeError from its zip
+            # writer, DCP wraps that in its own exception): leave no partial files, say what is intact.
+            shutil.rmtree(tmp, ignore_errors=True)
+            intact = complete_steps(self.root, (self.part,))
+            raise CheckpointWriteError(
+                f"the {self.part} checkpoint of step {step} could not be written under {tmp.parent} "
+                f"({type(e).__name__}: {e}); its partial files were removed; the newest complete checkpoint is "
+                f"{f'step {intact[-1]}' if intact else 'none'}. Free space (or lower ckpt.keep) and resume"
+            ) from e
+        if self.world.is_main:
+            marker = marker_path(self.root, step, self.part)
+            if final.exists():
+                marker.unlink(missing_ok=True)  # no longer complete before it changes
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            atomic_write_text(marker, json.dumps({"step": step, "part": self.part}) + "\n")
+            self._prune(keep_also=step)
+            logger.info(
+                "saved %s checkpoint of step %d in %.1fs: %s",
+                self.part,
+                step,
+                time.perf_counter() - started,
+                final,
+            )
+        self.world.barrier()
+        return final
+
+    def _write(
+        self,
+        tmp: Path,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        extra: dict[str, Any],
+        states: dict[str, Any],
+    ) -> None:
+        """Every rank's files into ``tmp``, then (rank 0) the metadata and the manifest."""
+        import torch.distributed.checkpoint as dcp
+
         if self.world.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
             (tmp / RNG_DIR).mkdir(parents=True)
         self.world.barrier()
-
         with _quiet_single_process():
             dcp.save(
                 _dcp_state(model, optimizer) | states,
@@ -156,43 +207,16 @@ class CheckpointManager:
                 "extra": extra,
                 "states": sorted(states),
             }
-            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            atomic_write_text(tmp / META_FILE, json.dumps(meta, indent=2) + "\n")
         self.world.barrier()  # every rank's files are written (DCP fsyncs its own)
-
         if self.world.is_main:
-            marker = marker_path(self.root, step, self.part)
-            if final.exists():
-                marker.unlink(missing_ok=True)  # no longer complete before it changes
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            atomic_write_text(marker, json.dumps({"step": step, "part": self.part}) + "\n")
-            self._prune(keep_also=step)
-            logger.info(
-                "saved %s checkpoint of step %d in %.1fs: %s",
-                self.part,
-                step,
-                time.perf_counter() - started,
-                final,
-            )
-        self.world.barrier()
-        return final
+            started = time.perf_counter()
+            write_manifest(tmp)
+            logger.info("checkpoint digests of step %d: %.2f s", step, time.perf_counter() - started)
 
     def _prune(self, keep_also: int) -> None:
-        """Delete this part of every step except the newest ``keep`` complete ones.
-
-        Incomplete leftovers (crashed saves) go too. Other parts (orchestrator, ...) are never
-        touched; a step directory is removed only once it is empty.
-        """
-        kept = set(complete_steps(self.root, (self.part,))[-self.keep :]) | {keep_also}
-        for step in all_steps(self.root):
-            if step in kept:
-                continue
-            directory = step_dir(self.root, step)
-            marker_path(self.root, step, self.part).unlink(missing_ok=True)
-            shutil.rmtree(directory / self.part, ignore_errors=True)
-            shutil.rmtree(directory / f".{self.part}.tmp", ignore_errors=True)
-            with contextlib.suppress(OSError):  # only succeeds when no other part lives there
-                directory.rmdir()
+        """Keep this part of the newest ``keep`` complete steps (``checkpoint_layout.prune_part``)."""
+        prune_part(self.root, self.part, self.keep, keep_also)
 
     # ------------------------------------------------------------------------------------- load
 
@@ -237,6 +261,7 @@ class CheckpointManager:
 
         step = self.resolve_step(step)
         directory = step_dir(self.root, step) / self.part
+        verify_manifest(directory)  # IntegrityError naming the damaged file, before anything is read
         meta = json.loads((directory / META_FILE).read_text())
         states = _check_states(states)
         missing = sorted(set(states) - set(meta.get("states", [])))

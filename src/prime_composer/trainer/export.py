@@ -18,6 +18,7 @@ from typing import Any
 
 from torch import nn
 
+from prime_composer.integrity import write_manifest
 from prime_composer.trainer.model import World, full_state_dict
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ def save_hf_directory(model: Any, tokenizer: Any, path: Path, world: World) -> P
                     with open(entry, "rb") as f:
                         os.fsync(f.fileno())
             tmp.chmod(0o755)  # mkdtemp makes it private
+            # The next stage (RL after the warm-up) checks the files against it when it loads them.
+            write_manifest(tmp).chmod(0o644)
             if path.exists():
                 stale = Path(tempfile.mkdtemp(prefix=f".stale-{path.name}-", dir=path.parent))
                 os.replace(path, stale / "old")

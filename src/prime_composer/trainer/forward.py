@@ -1,4 +1,4 @@
-"""Forward a Hugging Face causal LM on packed rows and return per-token logprobs.
+"""Forward a Hugging Face causal LM on packed rows, without full-vocabulary logits.
 
 Several samples share a row (see ``orchestrator/packing.py``); they must not attend to each
 other. We rely on transformers (5.x) for that instead of building a ``[R, T, T]`` mask: when a
@@ -9,14 +9,31 @@ the boundaries to the varlen kernels (flash attention). ``use_cache=False`` matt
 cache the detection is skipped. ``tests/unit/test_forward_packed.py`` checks that packed and
 one-by-one forwards agree, and that they do not without restarting positions.
 
+Lean logits: the output head would turn ``[R, T, H]`` hidden states into ``[R, T, V]`` logits, and
+with V = 152k at T = 8k that one fp32 tensor is 5 GB per row, before the copies a log-softmax and
+its backward make. So a pre-hook on the head hands it a single position (the model's own output
+is then ``[R, 1, V]``) and a forward hook, still inside the model's forward (FSDP has the head's
+parameters gathered), computes only what the loss terms read:
+
+- the log-probability of every loss token, chunk by chunk over the tokens, by a custom autograd
+  function that keeps one logsumexp per token and recomputes each chunk's logits in backward
+  (``_HeadLogprobs``; the head's weight and bias get their gradients from it);
+- the entropy of those tokens, in the same chunks, detached (it is only logged);
+- full logits ``[N, V]`` only at the positions a term asked for (SDPO's target tokens).
+
 Outputs are aligned with ``input_ids`` like every ``MicroBatch`` tensor: the value at ``t`` is
-about token ``t``, computed from the logits at ``t - 1``. The first token of every sample has no
-prediction (value 0) and is never in ``loss_mask``.
+about token ``t``, computed from the hidden state at ``t - 1``. Tokens outside the loss mask get
+logprob 0 and entropy 0. Models that transform logits after the head (soft-capping, scaling) are
+refused: the lean path would skip the transform.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from prime_composer.transport.batch import MicroBatch
@@ -24,39 +41,232 @@ from prime_composer.transport.batch import MicroBatch
 PACKING_AWARE_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 """Attention implementations whose transformers mask code separates packed samples."""
 
+CHUNK_ELEMENTS = 1 << 24
+"""fp32 logits materialized at once (64 MiB): the chunk size of the head's passes is this / V."""
 
-def packed_token_logprobs(
-    model: nn.Module, mb: MicroBatch, temperature: float, return_logits: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token logprobs ``[R, T]`` (float32) of ``mb.input_ids`` under ``model / temperature``.
+POST_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
+"""Config attributes of architectures that change logits after the head (Gemma 2/3, Cohere, Granite,
+Falcon-H1); the lean head path does not apply them."""
 
-    With ``return_logits`` also returns the temperature-scaled float32 logits ``[R, T, V]``,
-    aligned the same way (``logits[:, t]`` is the distribution token ``t`` was predicted from;
-    zeros at sample starts), for losses that need whole distributions. Gradients flow through
-    both unless the caller runs it under ``torch.no_grad()``.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
-    attention = getattr(model.config, "_attn_implementation", None)
+
+@dataclass
+class ForwardOutput:
+    """What one forward of the policy on a micro-batch's core rows gives the loss terms."""
+
+    logprobs: torch.Tensor
+    """``[R, T]`` float32 (float64 for a float64 model) log-probability of each loss token at the
+    batch's temperature (0 on other tokens); carries gradient."""
+    entropy: torch.Tensor
+    """``[R, T]`` float32 entropy of the distribution each loss token was sampled from (0 elsewhere);
+    detached, only logged."""
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Full temperature-scaled float32 logits ``[N, V]`` a term asked for (``logits_masks``), by
+    name, row-major over that term's mask; carry gradient."""
+
+
+def check_model(model: nn.Module) -> nn.Linear:
+    """The model's output head, after checking the model can run the packed lean forward."""
+    config = model.config
+    attention = getattr(config, "_attn_implementation", None)
     if attention not in PACKING_AWARE_ATTENTION:
         raise ValueError(
             f"attention implementation {attention!r} is not known to separate packed samples; "
             f"load the model with attn_implementation set to one of {PACKING_AWARE_ATTENTION}"
         )
-    device = next(model.parameters()).device
-    input_ids = mb.input_ids.to(device)
-    position_ids = mb.position_ids.to(device)
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
+    for name in POST_HEAD_TRANSFORMS:
+        value = getattr(config, name, None)
+        if value not in (None, 0, 0.0, 1, 1.0):
+            raise ValueError(
+                f"{type(model).__name__} transforms its logits after the output head (config.{name} = "
+                f"{value}), which the trainer's chunked head does not apply yet"
+            )
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"{type(model).__name__}'s output head is {type(head).__name__}, not an nn.Linear: the "
+            "trainer's chunked head needs a plain linear output layer"
+        )
+    return head
 
-    # Next-token prediction: logits at t-1 score token t.
-    predicting = logits[:, :-1]
-    token_logprobs = predicting.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - predicting.logsumexp(-1)
-    logprobs = torch.cat([token_logprobs.new_zeros(input_ids.shape[0], 1), token_logprobs], dim=1)
-    sample_start = position_ids == 0  # nothing in the row predicts a sample's first token
-    logprobs = logprobs.masked_fill(sample_start, 0.0)
-    if not return_logits:
-        return logprobs, None
-    aligned = torch.cat([torch.zeros_like(logits[:, :1]), predicting], dim=1)
-    return logprobs, aligned.masked_fill(sample_start[..., None], 0.0)
+
+def forward_micro_batch(
+    model: nn.Module,
+    mb: MicroBatch,
+    *,
+    logits_masks: dict[str, torch.Tensor] | None = None,
+    entropy: bool = True,
+) -> ForwardOutput:
+    """Forward ``model`` on ``mb``'s core rows at ``mb.temperature``, scoring its loss tokens.
+
+    ``logits_masks`` maps a name to an ``[R, T]`` bool mask of the tokens whose whole predicting
+    distribution that term needs. ``entropy = False`` skips the entropies (all 0). Gradients flow
+    unless the caller runs it under ``torch.no_grad()``.
+    """
+    return forward_rows(
+        model,
+        mb.input_ids,
+        mb.position_ids,
+        mb.loss_mask,
+        mb.temperature,
+        logits_masks=logits_masks,
+        entropy=entropy,
+    )
+
+
+def forward_rows(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    scored: torch.Tensor,
+    temperature: float,
+    *,
+    logits_masks: dict[str, torch.Tensor] | None = None,
+    entropy: bool = True,
+) -> ForwardOutput:
+    """Forward ``model`` on packed rows ``[R, T]`` (see the module docstring) and return the
+    log-probabilities (and entropies) of the ``scored`` tokens at ``temperature``; any term's own
+    rows (e.g. the replay pairs) go through here too."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
+    head = check_model(model)
+    device = head.weight.device
+    input_ids = input_ids.to(device)
+    position_ids = position_ids.to(device)
+    # Nothing in a row predicts a sample's first token.
+    scored = scored.to(device) & (position_ids != 0)
+    masks = {name: m.to(device) & (position_ids != 0) for name, m in (logits_masks or {}).items()}
+    result: dict[str, Any] = {}
+
+    def keep_one_position(_: nn.Module, args: tuple[Any, ...]) -> tuple[torch.Tensor]:
+        (hidden,) = args
+        if tuple(hidden.shape[:2]) != tuple(input_ids.shape):
+            raise RuntimeError(
+                f"expected the output head of {type(model).__name__} to get [R, T, H] hidden states for "
+                f"[R, T] = {tuple(input_ids.shape)}, got {tuple(hidden.shape)}"
+            )
+        result["hidden"] = hidden
+        return (hidden[:, :1],)
+
+    def score(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        hidden = result.pop("hidden")
+        rows, cols = scored.nonzero(as_tuple=True)
+        logprobs, entropies = head_logprobs(
+            hidden[rows, cols - 1], head, input_ids[rows, cols], temperature, entropy
+        )
+        result["logprobs"] = logprobs.new_zeros(scored.shape).index_put((rows, cols), logprobs)
+        result["entropy"] = entropies.new_zeros(scored.shape).index_put((rows, cols), entropies)
+        picked = {}
+        for name, mask in masks.items():
+            r, c = mask.nonzero(as_tuple=True)
+            logits = F.linear(hidden[r, c - 1], head.weight, head.bias)
+            picked[name] = logits.to(_compute_dtype(logits.dtype)) / temperature
+        result["logits"] = picked
+
+    pre = head.register_forward_pre_hook(keep_one_position)
+    post = head.register_forward_hook(score)
+    try:
+        model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    finally:
+        pre.remove()
+        post.remove()
+    return ForwardOutput(logprobs=result["logprobs"], entropy=result["entropy"], logits=result["logits"])
+
+
+def head_logprobs(
+    hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, temperature: float, entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(head(hidden) / T)[targets]`` and the entropies of those distributions, chunked.
+
+    Args:
+        hidden: ``[N, H]`` hidden states (differentiable).
+        head: the output layer; its weight (and bias) receive gradients.
+        targets: ``[N]`` token ids.
+        temperature: the sampling temperature (> 0).
+        entropy: also compute the (detached) entropies; zeros otherwise.
+
+    Returns:
+        ``([N] float32 logprobs, [N] float32 entropies)``.
+    """
+    weight, bias = head.weight, head.bias
+    chunk = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    return _HeadLogprobs.apply(hidden, weight, bias, targets, float(temperature), chunk, entropy)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for bf16/fp16/fp32 weights; float64 stays float64 (exact checks in tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """Logprobs of ``targets`` under ``F.linear(hidden, weight, bias) / T`` without keeping logits."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk: int,
+        entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        num = hidden.shape[0]
+        dtype = _compute_dtype(weight.dtype)
+        out = torch.empty(num, dtype=dtype, device=hidden.device)
+        lse = torch.empty(num, dtype=dtype, device=hidden.device)
+        ent = torch.zeros(num, dtype=dtype, device=hidden.device)
+        for start in range(0, num, chunk):
+            rows = slice(start, start + chunk)
+            logits = F.linear(hidden[rows], weight, bias).to(dtype)
+            if temperature != 1.0:
+                logits = logits / temperature
+            lse_chunk = logits.logsumexp(-1)
+            out[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse_chunk
+            lse[rows] = lse_chunk
+            if entropy:
+                log_probs = logits - lse_chunk[:, None]
+                # p * log p is 0 where p is 0 (logits of -inf), not NaN.
+                ent[rows] = -torch.special.xlogy(log_probs.exp(), log_probs.exp()).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(ent)
+        return out, ent
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, _grad_ent: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        temperature, chunk = ctx.temperature, ctx.chunk
+        dtype = lse.dtype
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = (
+            torch.zeros_like(bias, dtype=dtype) if bias is not None and ctx.needs_input_grad[2] else None
+        )
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits = F.linear(hidden[rows], weight, bias).to(dtype)
+            if temperature != 1.0:
+                logits = logits / temperature
+            # d logp(y) / d z_j = (1[j == y] - softmax_j) / T, times the incoming gradient.
+            g = grad_out[rows].to(dtype)[:, None]
+            grad_logits = torch.exp(logits - lse[rows, None]).mul_(-g)
+            grad_logits.scatter_add_(-1, targets[rows, None], g)
+            if temperature != 1.0:
+                grad_logits.div_(temperature)
+            if grad_hidden is not None:
+                grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += grad_logits.T @ hidden[rows].to(dtype)
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0)
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+        )

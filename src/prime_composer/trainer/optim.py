@@ -17,13 +17,17 @@ callers can log it and test it for finiteness the same way with or without FSDP.
 
 from __future__ import annotations
 
+import logging
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from prime_composer.config.optim import OptimConfig
+
+logger = logging.getLogger(__name__)
 
 
 def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
@@ -101,3 +105,53 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     if max_norm > 0 and torch.isfinite(total):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
+
+
+def set_grad_sync(model: nn.Module, index: int, num_micro_batches: int, defer: bool) -> None:
+    """Before micro-batch ``index``'s backward: under FSDP with ``defer`` (``optim.defer_grad_sync``),
+    reduce-scatter only after the last micro-batch; otherwise after each. No-op without FSDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(not defer or index == num_micro_batches - 1)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What ``optimizer_step`` did."""
+
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate the step used (before the schedule advanced)."""
+    skipped: bool
+    """The loss or gradient norm was not finite: no update (the schedule still advanced)."""
+
+
+def optimizer_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    max_grad_norm: float,
+    loss: torch.Tensor | None = None,
+) -> StepOutcome:
+    """The end of every training step (RL and SFT): clip, check, step, advance the schedule, clear.
+
+    The loss (when given) and the gradient norm are checked *before* the optimizer step: a
+    non-finite one skips the update, loudly, so one bad batch cannot destroy the weights. The
+    schedule advances either way, so a skipped step does not shift the learning rates.
+    """
+    grad_norm = clip_grad_norm(model, max_grad_norm)
+    finite = bool(torch.isfinite(grad_norm)) and (loss is None or bool(torch.isfinite(loss)))
+    lr = float(scheduler.get_last_lr()[0])
+    if finite:
+        optimizer.step()
+    else:
+        logger.warning(
+            "non-finite loss (%s) or gradient norm (%s): update skipped",
+            None if loss is None else loss.item(),
+            grad_norm.item(),
+        )
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepOutcome(grad_norm=grad_norm.item(), lr=lr, skipped=not finite)

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from prime_composer.config.cli import run_entry_point
 from prime_composer.config.sft import SFTConfig
@@ -39,7 +38,7 @@ from prime_composer.metrics import MetricsLogger
 from prime_composer.trainer.checkpoint import CheckpointManager
 from prime_composer.trainer.export import save_hf_directory
 from prime_composer.trainer.model import World, init_distributed, load_model, shard_model
-from prime_composer.trainer.optim import build_optimizer, clip_grad_norm
+from prime_composer.trainer.optim import build_optimizer, optimizer_step, set_grad_sync
 from prime_composer.trainer.sft_data import PaddedBatch, SFTSample, batch_indices, collate, load_sft_samples
 
 logger = logging.getLogger("prime_composer.sft")
@@ -90,36 +89,28 @@ def train_step(
     world: World,
     max_grad_norm: float,
     label_smoothing: float = 0.0,
+    defer: bool = False,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch, clip, step; returns the step's metrics.
 
     ``num_loss_tokens`` is the global count of target tokens of the step (all ranks). A
-    non-finite gradient norm skips the update (the scheduler still advances) and is logged.
+    non-finite gradient norm skips the update (the scheduler still advances) and is logged
+    (``optim.optimizer_step``, shared with the RL trainer). ``defer``: ``optim.defer_grad_sync``.
     """
-    lr = optimizer.param_groups[0]["lr"]
     loss_sum = torch.zeros((), dtype=torch.float32, device=world.device)
     for i, batch in enumerate(micro_batches):
-        if isinstance(model, FSDPModule):
-            # Reduce-scatter gradients once, after the last micro-batch, not after each one.
-            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        set_grad_sync(model, i, len(micro_batches), defer)
         micro_sum = token_loss_sum(model, batch, world.device, label_smoothing)
         (micro_sum * (world.world_size / num_loss_tokens)).backward()
         loss_sum += micro_sum.detach()
     if world.is_distributed:
         dist.all_reduce(loss_sum)
-    grad_norm = clip_grad_norm(model, max_grad_norm)
-    skipped = not torch.isfinite(grad_norm).item()
-    if skipped:
-        logger.warning("non-finite gradient norm (%s): skipping this update", grad_norm.item())
-    else:
-        optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    outcome = optimizer_step(model, optimizer, scheduler, max_grad_norm)
     return {
         "loss": loss_sum.item() / num_loss_tokens,
-        "grad_norm": grad_norm.item(),
-        "lr": lr,
-        "skipped": float(skipped),
+        "grad_norm": outcome.grad_norm,
+        "lr": outcome.lr,
+        "skipped": float(outcome.skipped),
     }
 
 
@@ -185,6 +176,7 @@ def _train(cfg: SFTConfig, world: World) -> None:
             world,
             cfg.optim.max_grad_norm,
             cfg.label_smoothing,
+            cfg.optim.defer_grad_sync,
         )
         elapsed = time.perf_counter() - started
         record.update(

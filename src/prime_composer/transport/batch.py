@@ -1,62 +1,111 @@
 """The packed micro-batch the orchestrator hands to a trainer rank, and its byte format.
 
-Every tensor is ``[R, T]`` (rows x packed sequence length) and aligned with ``input_ids``: the
-value at ``t`` describes token ``t`` (its advantage, the logprob the inference server sampled it
-with, whether it is trained on). The trainer does the shift to next-token prediction.
+A ``MicroBatch`` has a **core** that every step needs — ``[R, T]`` tensors (rows x packed sequence
+length) aligned with ``input_ids``: the value at ``t`` describes token ``t`` (its advantage, the
+logprob the inference server sampled it with, whether it is trained on) — and **groups**:
+term-specific tensors (``SDPOGroup``'s teacher rows, later DPO pairs) that only the loss term
+using them reads. A group is a dataclass subclass of ``BatchGroup`` with a wire name, the dtypes
+of its tensors and its own validation; registering it (``@register_group``) is all the byte
+format needs to carry it. A micro-batch without a group's data simply has no entry for it.
 
-The step-level counts (``num_loss_tokens``, ``num_samples``, ``max_completion_len``,
-``num_sdpo_tokens``) are global over all ranks and micro-batches of the step, so each rank can
-normalise its partial loss sum by the same denominator and the gradient does not depend on how the
-step was split.
+No step-level counts travel with the batch: the trainer computes every global normalizer (loss
+tokens, sequences, SDPO tokens) from the masks themselves, all-reduced over ranks, so there is
+one source of truth for each denominator (``trainer/losses/aggregate.py``).
 
-SDPO: ``sdpo_mask`` marks, on the student rows, the target-turn tokens of hinted samples; the
-teacher rows ``teacher_*`` (``[Rt, T]``, ``Rt = 0`` when nothing in the micro-batch is hinted) hold
-each hinted sample's teacher sequence (hinted prefix + the same target tokens), with
-``teacher_target_mask`` on those tokens. Alignment rule: the k-th True of ``sdpo_mask`` (row-major)
-is the same token as the k-th True of ``teacher_target_mask``.
-
-Bytes on the wire are a safetensors blob (tensors named ``<micro-batch index>/<field>``) whose
-header metadata holds the step, the rank and the counts as JSON: nothing is unpickled, so a
-received batch cannot run code.
+Bytes on the wire are a safetensors blob (tensors named ``<micro-batch>/<field>`` for the core and
+``<micro-batch>/<group>/<field>`` for groups) whose header metadata holds, as JSON, the format
+version, the step, the rank and per micro-batch its temperature and group names, plus a SHA-256
+over that JSON, the tensor table and the tensor bytes (``prime_composer.integrity``). Decoding
+checks the digest before it trusts a byte, so a truncated, zeroed or bit-flipped file is an error
+naming what is wrong, never a silently different batch; nothing is unpickled, so a received batch
+cannot run code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass, fields, replace
-from typing import Any
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Self, TypeVar
 
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-FORMAT_VERSION = 3
+from prime_composer.integrity import IntegrityError, bytes_digest
 
-TENSOR_DTYPES: dict[str, torch.dtype] = {
+FORMAT_VERSION = 4
+
+CORE_DTYPES: dict[str, torch.dtype] = {
     "input_ids": torch.long,
     "position_ids": torch.long,
     "loss_mask": torch.bool,
     "advantages": torch.float32,
     "inference_logprobs": torch.float32,
     "sample_ids": torch.long,
-    "sdpo_mask": torch.bool,
 }
-"""Name and dtype of every ``[R, T]`` tensor field of ``MicroBatch``."""
+"""Name and dtype of every ``[R, T]`` core tensor of ``MicroBatch``."""
 
-TEACHER_DTYPES: dict[str, torch.dtype] = {
-    "teacher_input_ids": torch.long,
-    "teacher_position_ids": torch.long,
-    "teacher_target_mask": torch.bool,
-}
-"""Name and dtype of every ``[Rt, T]`` teacher tensor field of ``MicroBatch`` (SDPO)."""
 
-STEP_FIELDS = ("num_loss_tokens", "num_samples", "max_completion_len", "temperature", "num_sdpo_tokens")
-"""Step-level metadata every micro-batch carries (global over all ranks and micro-batches)."""
+class BatchFormatError(ValueError):
+    """A micro-batch (or its bytes) does not have the fields, shapes or dtypes the format requires."""
+
+
+class BatchGroup:
+    """Base of the term-specific tensor groups of a micro-batch (subclasses are dataclasses).
+
+    Subclasses set ``name`` (the wire prefix and the key in ``MicroBatch.groups``) and ``dtypes``
+    (field -> dtype, every field a tensor), and implement ``check`` for what the dtypes cannot say
+    (shapes relative to the core, alignment rules).
+    """
+
+    name: ClassVar[str]
+    dtypes: ClassVar[dict[str, torch.dtype]]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    def to(self, device: torch.device | str) -> Self:
+        return replace(self, **{k: v.to(device) for k, v in self.tensors().items()})  # type: ignore[type-var]
+
+    def validate(self, mb: MicroBatch) -> None:
+        """Dtypes of every field, then the subclass's ``check``; errors name ``<group>.<field>``."""
+        for name, dtype in self.dtypes.items():
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor) or value.dtype != dtype:
+                got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+                raise BatchFormatError(
+                    f"MicroBatch group field {self.name}.{name} must be {dtype}, got {got}"
+                )
+        self.check(mb)
+
+    def check(self, mb: MicroBatch) -> None:
+        """Shape and consistency rules of the group relative to the core of ``mb``."""
+
+
+GROUPS: dict[str, type[BatchGroup]] = {}
+"""Every group the byte format knows, by wire name (filled by ``register_group``)."""
+
+G = TypeVar("G", bound=BatchGroup)
+
+
+def register_group(cls: type[G]) -> type[G]:
+    """Class decorator: make a ``BatchGroup`` subclass known to the byte format."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls.__name__} must be a dataclass to be a batch group")
+    names = {f.name for f in dataclasses.fields(cls)}
+    if names != set(cls.dtypes):
+        raise TypeError(f"{cls.__name__}.dtypes must name exactly its fields {sorted(names)}")
+    if cls.name in GROUPS and GROUPS[cls.name] is not cls:
+        raise TypeError(f"batch group name {cls.name!r} is already taken by {GROUPS[cls.name].__name__}")
+    GROUPS[cls.name] = cls
+    return cls
 
 
 @dataclass
 class MicroBatch:
-    """One forward/backward unit for one trainer rank. Shapes ``[R, T]``."""
+    """One forward/backward unit for one trainer rank. Core shapes ``[R, T]``."""
 
     input_ids: torch.Tensor
     """Token ids of the packed samples; padding uses the tokenizer's pad id."""
@@ -72,112 +121,144 @@ class MicroBatch:
     padding tokens."""
     sample_ids: torch.Tensor
     """Index of the token's sample, unique within the step; -1 on padding."""
-    num_loss_tokens: int
-    """Loss tokens in the whole step (all ranks, all micro-batches)."""
-    num_samples: int
-    """Samples in the whole step."""
-    max_completion_len: int
-    """Longest completion (tokens after the prompt, after truncation) in the whole step."""
     temperature: float = 1.0
     """Sampling temperature the completions were generated with; the trainer divides its logits
     by it so its logprobs are comparable with ``inference_logprobs``."""
-    sdpo_mask: torch.Tensor | None = None
-    """SDPO target tokens of hinted samples (a subset of ``loss_mask``); None means none."""
-    teacher_input_ids: torch.Tensor | None = None
-    """``[Rt, T]`` packed teacher sequences: hinted prefix + the same target tokens; None means
-    ``Rt = 0``."""
-    teacher_position_ids: torch.Tensor | None = None
-    """``[Rt, T]`` positions of the teacher rows, restarting at 0 for every packed sequence."""
-    teacher_target_mask: torch.Tensor | None = None
-    """``[Rt, T]`` True on the teacher's copies of the ``sdpo_mask`` tokens, in the same order."""
-    num_sdpo_tokens: int = 0
-    """SDPO target tokens in the whole step (all ranks, all micro-batches)."""
+    groups: dict[str, BatchGroup] = field(default_factory=dict)
+    """Term-specific tensors by group name (e.g. ``"sdpo"``); absent = no data for that term here."""
 
     def __post_init__(self) -> None:
         shape = self.input_ids.shape
         if len(shape) != 2:
-            raise ValueError(f"MicroBatch.input_ids must be [R, T], got shape {tuple(shape)}")
-        if self.sdpo_mask is None:
-            self.sdpo_mask = torch.zeros(shape, dtype=torch.bool)
-        for name, dtype in TEACHER_DTYPES.items():
-            if getattr(self, name) is None:
-                setattr(self, name, torch.zeros((0, shape[1]), dtype=dtype))
-        for name, dtype in TENSOR_DTYPES.items():
+            raise BatchFormatError(f"MicroBatch.input_ids must be [R, T], got shape {tuple(shape)}")
+        for name, dtype in CORE_DTYPES.items():
             value = getattr(self, name)
-            if value.shape != shape or value.dtype != dtype:
-                raise ValueError(
-                    f"MicroBatch.{name} must be {dtype} of shape {tuple(shape)}, "
-                    f"got {value.dtype} of shape {tuple(value.shape)}"
+            if not isinstance(value, torch.Tensor) or value.shape != shape or value.dtype != dtype:
+                got = (value.dtype, tuple(value.shape)) if isinstance(value, torch.Tensor) else type(value)
+                raise BatchFormatError(
+                    f"MicroBatch.{name} must be {dtype} of shape {tuple(shape)}, got {got}"
                 )
-        teacher_shape = self.teacher_input_ids.shape  # type: ignore[union-attr]
-        for name, dtype in TEACHER_DTYPES.items():
-            value = getattr(self, name)
-            if len(teacher_shape) != 2 or value.shape != teacher_shape or value.dtype != dtype:
-                raise ValueError(
-                    f"MicroBatch.{name} must be {dtype} of shape [Rt, T] like teacher_input_ids "
-                    f"{tuple(teacher_shape)}, got {value.dtype} of shape {tuple(value.shape)}"
-                )
-        num_student = int(self.sdpo_mask.sum())  # type: ignore[union-attr]
-        num_teacher = int(self.teacher_target_mask.sum())  # type: ignore[union-attr]
-        if num_student != num_teacher:
-            raise ValueError(
-                f"MicroBatch: sdpo_mask has {num_student} tokens but teacher_target_mask has {num_teacher}; "
-                "they must align one to one"
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise BatchFormatError(f"MicroBatch.temperature must be finite and > 0, got {self.temperature}")
+        if bool((self.loss_mask & (self.position_ids == 0)).any()):
+            raise BatchFormatError(
+                "MicroBatch.loss_mask marks the first token of a sample, which nothing predicts"
             )
+        for name in ("advantages", "inference_logprobs"):
+            if not bool(torch.isfinite(getattr(self, name)).all()):
+                raise BatchFormatError(f"MicroBatch.{name} holds non-finite values")
+        for key, group in self.groups.items():
+            if key not in GROUPS or not isinstance(group, GROUPS[key]):
+                raise BatchFormatError(f"MicroBatch.groups[{key!r}] is not a registered batch group")
+            group.validate(self)
 
     @property
     def num_rows(self) -> int:
         return self.input_ids.shape[0]
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in (*TENSOR_DTYPES, *TEACHER_DTYPES)}
+    def group(self, kind: type[G]) -> G | None:
+        """This micro-batch's ``kind`` group, or None when it carries none."""
+        found = self.groups.get(kind.name)
+        return found if isinstance(found, kind) else None
 
-    def step_meta(self) -> dict[str, int | float]:
-        return {name: getattr(self, name) for name in STEP_FIELDS}
+    def core_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in CORE_DTYPES}
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        moved: dict[str, Any] = {k: v.to(device) for k, v in self.tensors().items()}
-        return replace(self, **moved)
+        moved: dict[str, Any] = {k: v.to(device) for k, v in self.core_tensors().items()}
+        return replace(self, **moved, groups={k: g.to(device) for k, g in self.groups.items()})
 
 
-# Every dataclass field is either a tensor or step metadata; a new field must be added to one of them.
-assert {f.name for f in fields(MicroBatch)} == set(TENSOR_DTYPES) | set(TEACHER_DTYPES) | set(STEP_FIELDS)
+# ------------------------------------------------------------------------------------ bytes
+
+_META_KEY = "prime_composer"
+_DIGEST_KEY = "prime_composer_sha256"
 
 
 def encode_rank_batch(step: int, rank: int, micro_batches: list[MicroBatch]) -> bytes:
-    """Serialize one rank's micro-batches of one step to bytes (safetensors + JSON header)."""
-    tensors = {
-        f"{i}/{name}": value.detach().cpu().contiguous()
-        for i, mb in enumerate(micro_batches)
-        for name, value in mb.tensors().items()
-    }
-    header = {
-        "format": FORMAT_VERSION,
-        "step": step,
-        "rank": rank,
-        "meta": [mb.step_meta() for mb in micro_batches],
-    }
-    return save_safetensors(tensors, metadata={"prime_composer": json.dumps(header)})
+    """Serialize one rank's micro-batches of one step to bytes (safetensors + JSON header + digest)."""
+    tensors: dict[str, torch.Tensor] = {}
+    meta = []
+    for i, mb in enumerate(micro_batches):
+        tensors.update({f"{i}/{name}": t for name, t in mb.core_tensors().items()})
+        for group_name, group in mb.groups.items():
+            tensors.update({f"{i}/{group_name}/{name}": t for name, t in group.tensors().items()})
+        meta.append({"temperature": mb.temperature, "groups": sorted(mb.groups)})
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    header_json = json.dumps({"format": FORMAT_VERSION, "step": step, "rank": rank, "meta": meta})
+    blob = save_safetensors(tensors, metadata={_META_KEY: header_json})
+    table, data = _split(blob)
+    digest = bytes_digest(header_json.encode(), _canonical_table(table), data)
+    table["__metadata__"][_DIGEST_KEY] = digest
+    header = json.dumps(table, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # safetensors aligns the data section to 8 bytes
+    return len(header).to_bytes(8, "little") + header + data
 
 
 def decode_rank_batch(data: bytes) -> tuple[int, int, list[MicroBatch]]:
-    """Inverse of ``encode_rank_batch``: returns ``(step, rank, micro_batches)``."""
-    tensors = load_safetensors(data)
-    header = json.loads(_safetensors_metadata(data)["prime_composer"])
-    if header["format"] != FORMAT_VERSION:
-        raise ValueError(
-            f"batch format {header['format']} is not {FORMAT_VERSION}: orchestrator and trainer "
-            "run different prime-composer versions"
+    """Inverse of ``encode_rank_batch``: returns ``(step, rank, micro_batches)``.
+
+    Raises ``IntegrityError`` when the bytes do not match their digest (truncated, corrupted) and
+    ``BatchFormatError`` when they hold another format version or a field is missing or wrong.
+    """
+    try:
+        table, body = _split(data)
+        metadata = table["__metadata__"]
+        header_json, digest = metadata[_META_KEY], metadata.pop(_DIGEST_KEY)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise IntegrityError(f"not a prime-composer batch, or its header is damaged ({e})") from None
+    if bytes_digest(header_json.encode(), _canonical_table(table), body) != digest:
+        raise IntegrityError(
+            "batch contents differ from the digest written with them (truncated or corrupted)"
         )
+    header = json.loads(header_json)
+    if header.get("format") != FORMAT_VERSION:
+        raise BatchFormatError(
+            f"batch format {header.get('format')} is not {FORMAT_VERSION}: orchestrator and trainer run "
+            "different prime-composer versions (old rollout files cannot be trained on; regenerate them)"
+        )
+    tensors = load_safetensors(data)
     micro_batches = []
     for i, meta in enumerate(header["meta"]):
-        values: dict[str, Any] = {name: tensors[f"{i}/{name}"] for name in (*TENSOR_DTYPES, *TEACHER_DTYPES)}
-        micro_batches.append(MicroBatch(**values, **meta))
+        core = {name: _tensor(tensors, f"{i}/{name}", name, i) for name in CORE_DTYPES}
+        groups: dict[str, BatchGroup] = {}
+        for group_name in meta["groups"]:
+            kind = GROUPS.get(group_name)
+            if kind is None:
+                raise BatchFormatError(
+                    f"micro-batch {i} carries a group {group_name!r} this trainer does not know "
+                    f"(known: {sorted(GROUPS)}); orchestrator and trainer run different versions"
+                )
+            values = {
+                name: _tensor(tensors, f"{i}/{group_name}/{name}", f"{group_name}.{name}", i)
+                for name in kind.dtypes
+            }
+            groups[group_name] = kind(**values)
+        micro_batches.append(MicroBatch(**core, temperature=meta["temperature"], groups=groups))
     return header["step"], header["rank"], micro_batches
 
 
-def _safetensors_metadata(data: bytes) -> dict[str, str]:
-    # The safetensors layout: 8-byte little-endian header length, then a JSON header whose
-    # "__metadata__" entry holds the string metadata given to save().
-    header_len = int.from_bytes(data[:8], "little")
-    return json.loads(data[8 : 8 + header_len])["__metadata__"]
+def _tensor(tensors: dict[str, torch.Tensor], key: str, field_name: str, index: int) -> torch.Tensor:
+    if key not in tensors:
+        raise BatchFormatError(f"micro-batch {index} has no tensor for field {field_name!r}")
+    return tensors[key]
+
+
+def _split(blob: bytes) -> tuple[dict[str, Any], memoryview]:
+    """The parsed safetensors header (tensor table + ``__metadata__``) and the data section."""
+    header_len = int.from_bytes(blob[:8], "little")
+    if len(blob) < 8 or header_len > len(blob) - 8:
+        raise ValueError(f"header length {header_len} exceeds the {len(blob)} bytes")
+    table = json.loads(blob[8 : 8 + header_len])
+    if not isinstance(table, dict):
+        raise ValueError("the header is not a JSON object")
+    return table, memoryview(blob)[8 + header_len :]
+
+
+def _canonical_table(table: dict[str, Any]) -> bytes:
+    """The tensor table (names, dtypes, shapes, offsets) in a canonical byte form, for the digest."""
+    return json.dumps({k: v for k, v in table.items() if k != "__metadata__"}, sort_keys=True).encode()
+
+
+# The built-in groups register themselves on import; decoding needs them all.
+from prime_composer.transport import groups as _groups  # noqa: E402, F401

@@ -3,7 +3,8 @@
 The sender writes each file under a temporary name in the same directory and renames it into
 place (``os.replace`` is atomic on POSIX), so a receiver that sees ``rank_R.bin`` sees all of
 it. The sender deletes all but the newest ``keep_last_steps`` step directories. Easy to debug
-(the files are plain safetensors) and to resume (the step is in the path).
+(the files are plain safetensors) and to resume (the step is in the path). Each file carries a
+digest of its contents (``batch.py``): a damaged file is refused, naming the file.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import time
 from pathlib import Path
 
 from prime_composer.config.transport import TransportConfig
-from prime_composer.transport.batch import MicroBatch, decode_rank_batch, encode_rank_batch
+from prime_composer.integrity import IntegrityError
+from prime_composer.transport.batch import BatchFormatError, MicroBatch, decode_rank_batch, encode_rank_batch
 
 
 def step_dir(output_dir: Path, step: int) -> Path:
@@ -70,7 +72,13 @@ class FilesystemReceiver:
                     "running with transport.kind = 'filesystem' and the same output_dir?"
                 )
             time.sleep(self.cfg.poll_interval_s)
-        got_step, got_rank, micro_batches = decode_rank_batch(path.read_bytes())
+        try:
+            got_step, got_rank, micro_batches = decode_rank_batch(path.read_bytes())
+        except (IntegrityError, BatchFormatError) as e:
+            raise type(e)(
+                f"{path}: {e}; nothing was trained on it. Resume the run (--resume) so the orchestrator "
+                "writes this step again"
+            ) from None
         if (got_step, got_rank) != (step, rank):
             raise ValueError(f"{path} holds step {got_step} rank {got_rank}, not step {step} rank {rank}")
         return micro_batches

@@ -2,21 +2,26 @@
 
 vLLM is started with ``--middleware prime_composer.inference.vllm.admin.AdminRoutesMiddleware``
 (a documented vLLM server option: a class given there is added with ``app.add_middleware``). This
-pure ASGI middleware answers three paths itself and passes every other request, streaming
-included, to vLLM untouched:
+pure ASGI middleware first applies the ``hf`` server's ``guard.RequestGuard`` to every request
+(with a secret configured, every path but ``/health`` needs it, vLLM's own generation routes and
+``/v1/models`` included; bodies over ``inference.max_request_bytes`` are a 413), then answers three
+paths itself and passes every other request, streaming included, to vLLM untouched:
 
-- ``POST /update_weights {"path": ...}``: pause scheduling until the running requests finish
-  (``pause_generation(mode="wait")``: every completion comes from one set of weights, as with the
-  ``hf`` backend), run ``WeightUpdateExtension.prime_composer_load_weights`` on every worker via
-  ``engine_client.collective_rpc``, drop the prefix cache (its KV blocks were computed with the
-  old weights), resume;
+- ``POST /update_weights {"path": ...}``: check the path (``weight_paths``) and the digests of the
+  weight files (``transport.weights.verify_published``, in a thread, while vLLM keeps serving);
+  then pause scheduling until the running requests finish (``pause_generation(mode="wait")``:
+  every completion comes from one set of weights, as with the ``hf`` backend), run
+  ``WeightUpdateExtension.prime_composer_load_weights`` on every worker via
+  ``engine_client.collective_rpc`` (it refuses non-finite or truncated weights before touching
+  the model), drop the prefix cache (its KV blocks were computed with the old weights), resume;
 - ``POST /reload_weights``: the same with the base weights;
 - ``GET /health``: vLLM's engine health check, answered with the ``hf`` backend's body
   ``{"status", "model", "weights": {"path", "step"}}``.
 
 The contract is the ``hf`` server's: same bodies, same error format
-``{"error": {"message", "type", "param", "code"}}`` and codes (400 malformed body, 401 missing or
-wrong secret, 403 a path outside ``<output_dir>/broadcasts``, 404 missing, 409 no ``STABLE``).
+``{"error": {"message", "type", "param", "code"}}`` and codes (400 malformed body or path, 401
+missing or wrong secret, 403 a path outside ``<output_dir>/broadcasts``, 404 missing, 409 no
+``STABLE``, a digest mismatch, non-finite values; 413 too large).
 
 Why a middleware rather than the alternatives: a front process proxying ``/v1/*`` to vLLM adds a
 hop and must re-implement streaming and errors; vLLM's dev-mode ``/collective_rpc`` route would
@@ -27,25 +32,26 @@ runs before vLLM's routing, so these paths win over vLLM's own routes of the sam
 0.32 has its own ``/update_weights`` for NCCL weight transfer, with another body).
 
 Settings come from the launcher through the environment variable ``PRIME_COMPOSER_VLLM_ADMIN``
-(JSON: ``broadcast_root``, ``secret_env``, ``served_model_name``); the secret itself is read from
-the variable named by ``secret_env``, never passed on a command line. The launcher imports this
-module too (for those settings), so torch is only imported where a route needs it.
+(JSON: ``broadcast_root``, ``secret_env``, ``served_model_name``, ``max_request_bytes``); the
+secret itself is read from the variable named by ``secret_env``, never passed on a command line.
+The launcher imports this module too (for those settings), so torch is only imported where a
+route needs it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from prime_composer.inference.guard import DEFAULT_MAX_BODY_BYTES, APIError, RequestGuard, error_response
 
 logger = logging.getLogger(__name__)
 
@@ -53,69 +59,27 @@ SETTINGS_ENV = "PRIME_COMPOSER_VLLM_ADMIN"
 LOAD_METHOD = "prime_composer_load_weights"
 RELOAD_METHOD = "prime_composer_reload_base_weights"
 
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    409: "ConflictError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
 
-
-class AdminError(Exception):
-    """An error answered with the OpenAI error body and ``status``."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-class UpdateWeightsBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    path: str
-    """A ``step_<N>`` directory published under ``<output_dir>/broadcasts`` (absolute, or
-    relative to that root)."""
-
-
-def admin_settings(broadcast_root: Path, secret_env: str | None, served_model_name: str) -> str:
+def admin_settings(
+    broadcast_root: Path,
+    secret_env: str | None,
+    served_model_name: str,
+    max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> str:
     """The value of ``PRIME_COMPOSER_VLLM_ADMIN`` the launcher sets for vLLM's process."""
     return json.dumps(
         {
             "broadcast_root": str(Path(broadcast_root).resolve()),
             "secret_env": secret_env,
             "served_model_name": served_model_name,
+            "max_request_bytes": max_request_bytes,
         }
     )
 
 
-def checked_weight_path(raw: str, root: Path) -> Path:
-    """Resolve ``raw`` (relative paths are under ``root``; symlinks followed) and refuse anything
-    that is not a published step directory inside ``root``."""
-    from prime_composer.transport.weights import STABLE_MARKER  # imports torch: not at module level
-
-    root = Path(root).resolve()
-    candidate = Path(raw).expanduser()
-    path = (candidate if candidate.is_absolute() else root / candidate).resolve()
-    if path == root or not path.is_relative_to(root):
-        raise AdminError(
-            403,
-            f"weight path {raw!r} is outside the broadcast root {root}: only step directories "
-            "published there by the trainer are accepted",
-        )
-    if not path.is_dir():
-        raise AdminError(404, f"weight directory {path} does not exist")
-    if not (path / STABLE_MARKER).is_file():
-        raise AdminError(409, f"weight directory {path} has no {STABLE_MARKER} marker (still being written?)")
-    return path
-
-
 class AdminRoutesMiddleware:
-    """ASGI middleware adding the weight-update routes and ``/health`` to vLLM's server."""
+    """ASGI middleware adding the request guard, the weight-update routes and ``/health`` to
+    vLLM's server."""
 
     def __init__(self, app: ASGIApp, settings: dict[str, Any] | None = None) -> None:
         self.app = app
@@ -135,8 +99,16 @@ class AdminRoutesMiddleware:
             raise ValueError(f"inference.secret_env = {secret_env!r}, but that variable is unset or empty")
         self.current: dict[str, Any] = {"path": None, "step": None}
         self._lock: asyncio.Lock | None = None  # made lazily, inside the server's event loop
+        self._guarded = RequestGuard(
+            self._dispatch,
+            secret=self.secret,
+            max_body_bytes=int(settings.get("max_request_bytes", DEFAULT_MAX_BODY_BYTES)),
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._guarded(scope, receive, send)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = (scope.get("method"), scope.get("path")) if scope["type"] == "http" else None
         handler = {
             ("POST", "/update_weights"): self._update_weights,
@@ -145,100 +117,89 @@ class AdminRoutesMiddleware:
         }.get(route)  # type: ignore[arg-type]
         if handler is None:
             if route is not None and route[1] in ("/update_weights", "/reload_weights"):
-                await _error(405, f"{route[1]} takes POST")(scope, receive, send)
+                await error_response(405, f"{route[1]} takes POST")(scope, receive, send)
                 return
             await self.app(scope, receive, send)
             return
         request = Request(scope, receive)
         try:
             response = await handler(request)
-        except AdminError as e:
-            response = _error(e.status, e.message)
+        except APIError as e:
+            response = error_response(e.status, e.message, e.error_type)
         await response(scope, receive, send)
 
     async def _health(self, request: Request) -> JSONResponse:
         try:
             await _engine(request).check_health()
         except Exception as e:  # the engine died: the same 503 vLLM's own /health answers
-            raise AdminError(503, f"the vLLM engine is not healthy: {e}") from e
+            raise APIError(503, f"the vLLM engine is not healthy: {e}") from e
         return JSONResponse({"status": "ok", "model": self.served_model_name, "weights": dict(self.current)})
 
     async def _update_weights(self, request: Request) -> JSONResponse:
-        self._check_secret(request)
-        try:
-            raw = await request.json()
-        except ValueError as e:
-            raise AdminError(400, f"the request body is not valid JSON: {e}") from e
-        try:
-            body = UpdateWeightsBody.model_validate(raw)
-        except ValidationError as e:
-            raise AdminError(400, _describe_validation(e)) from e
-        from prime_composer.transport.weights import parse_step
+        # Imported here: they import torch, which the launcher (importing this module) never needs.
+        from prime_composer.inference.weight_paths import (
+            WeightPathError,
+            checked_step_dir,
+            update_path_from_body,
+        )
+        from prime_composer.transport.weights import parse_step, verify_published
 
-        path = checked_weight_path(body.path, self.broadcast_root)
+        try:
+            path = checked_step_dir(update_path_from_body(await request.body()), self.broadcast_root)
+        except WeightPathError as e:
+            raise APIError(e.status, e.message) from None
+        try:
+            # Before pausing: a corrupted file is refused while vLLM keeps serving, and the pause
+            # does not pay for hashing (the workers check sizes and finite values themselves).
+            await asyncio.to_thread(verify_published, path)
+        except FileNotFoundError as e:
+            raise APIError(404, str(e)) from None
+        except (ValueError, OSError) as e:
+            raise APIError(409, f"refused the weights in {path}: {type(e).__name__}: {e}") from None
         await self._swap(request, LOAD_METHOD, (str(path),))
         self.current.update(path=str(path), step=parse_step(path))
         logger.info("serving weights from %s", path)
         return JSONResponse({"status": "ok", **self.current})
 
     async def _reload_weights(self, request: Request) -> JSONResponse:
-        self._check_secret(request)
         await self._swap(request, RELOAD_METHOD, ())
         self.current.update(path=None, step=None)
         logger.info("serving the base weights again")
         return JSONResponse({"status": "ok", **self.current})
 
     async def _swap(self, request: Request, method: str, args: tuple[Any, ...]) -> None:
-        """Run ``method`` on every worker between requests, then forget cached KV blocks."""
+        """Run ``method`` on every worker between requests, then forget cached KV blocks.
+
+        A worker that refuses the weights before touching its model (``{"refused": message}``)
+        makes this a 409 with its message; any other worker failure is a 500.
+        """
         engine = _engine(request)
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
             await engine.pause_generation(mode="wait")
             try:
-                await engine.collective_rpc(method, args=args)
+                try:
+                    results = await engine.collective_rpc(method, args=args)
+                except Exception as e:
+                    logger.exception("%s failed", method)
+                    raise APIError(500, f"{method} failed in the vLLM workers: {e}") from e
+                results = list(results or ())
+                refusals = [r["refused"] for r in results if isinstance(r, dict) and r.get("refused")]
+                if refusals and len(refusals) < len(results):  # the files changed under the load
+                    raise APIError(
+                        500,
+                        f"{len(refusals)} of {len(results)} vLLM workers refused {args[0]} ({refusals[0]}) "
+                        "and the others loaded it: the workers now disagree; restart the server",
+                    )
+                if refusals:
+                    raise APIError(409, f"refused the weights in {args[0]}: {refusals[0]}")
                 # Cached prefixes hold keys/values computed by the old weights.
                 await engine.reset_prefix_cache()
-            except Exception as e:
-                logger.exception("%s failed", method)
-                raise AdminError(500, f"{method} failed in the vLLM workers: {e}") from e
             finally:
                 await engine.resume_generation()
-
-    def _check_secret(self, request: Request) -> None:
-        if self.secret is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise AdminError(
-                401,
-                "admin endpoint: missing shared secret; send 'Authorization: Bearer <secret>' "
-                "with the value of the variable named by inference.secret_env",
-            )
-        if not hmac.compare_digest(token.strip().encode(), self.secret.encode()):
-            raise AdminError(401, "admin endpoint: wrong shared secret")
 
 
 def _engine(request: Request) -> Any:
     """vLLM's engine client, which its own routes also read from the app state."""
     return request.app.state.engine_client
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    body = {
-        "error": {
-            "message": message,
-            "type": _ERROR_TYPES.get(status, "Error"),
-            "param": None,
-            "code": status,
-        }
-    }
-    return JSONResponse(body, status_code=status)
-
-
-def _describe_validation(error: ValidationError) -> str:
-    parts = []
-    for item in error.errors()[:5]:
-        location = ".".join(str(x) for x in item.get("loc", ()))
-        parts.append(f"{location or 'body'}: {item.get('msg')}")
-    return "invalid request: " + "; ".join(parts)

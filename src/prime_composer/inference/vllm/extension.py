@@ -23,6 +23,12 @@ everything else changed. ``_refresh_tied_embedding_kernels`` re-derives it after
 
 Method names carry a ``prime_composer_`` prefix because vLLM refuses an extension whose
 attribute names collide with the worker's (the worker has its own ``update_weights``).
+
+Weights that must not be served are refused *before* the model is touched, and the refusal is
+returned as data (``{"refused": message}``), so the admin middleware answers 409 and the model
+keeps its current weights. The middleware has verified the files' digests just before pausing
+generation; here each file's size is checked against the manifest again (a file truncated since)
+and every tensor must be finite.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from prime_composer.transport.weights import load_weights
 
@@ -42,13 +49,17 @@ class WeightUpdateExtension:
     reload_weights: Any
     model_runner: Any
 
-    def prime_composer_load_weights(self, path: str) -> int:
-        """Load the published step ``path`` (``STABLE`` required) and return the number of
-        tensors read. The path is checked against the broadcast root by the caller."""
-        state_dict = load_weights(Path(path))
+    def prime_composer_load_weights(self, path: str) -> dict[str, Any]:
+        """Load the published step ``path`` (``STABLE`` required); returns ``{"num_tensors": n}``,
+        or ``{"refused": message}`` without touching the model when the weights are incomplete,
+        truncated or not finite. The path is checked against the broadcast root by the caller."""
+        try:
+            state_dict = load_weights(Path(path), verify_digests=False)
+        except (ValueError, OSError, SafetensorError) as e:
+            return {"refused": f"{type(e).__name__}: {e}"}
         self.reload_weights(weights_iterator=iter(state_dict.items()), is_checkpoint_format=True)
         _refresh_tied_embedding_kernels(self.model_runner.get_model())
-        return len(state_dict)
+        return {"num_tensors": len(state_dict)}
 
     def prime_composer_reload_base_weights(self) -> None:
         """Re-read the weights the server was started with (vLLM's ``--model`` checkpoint)."""

@@ -12,7 +12,18 @@ up) with:
   against; vLLM's default returns the raw model logprobs;
 - ``--generation-config vllm``: request defaults are vLLM's (= OpenAI's, temperature 1, top_p 1),
   not the model's ``generation_config.json``, which would otherwise silently change how
-  requests that leave a knob unset are sampled (Qwen3 ships top_k=20, top_p=0.95).
+  requests that leave a knob unset are sampled (Qwen3 ships top_k=20, top_p=0.95);
+- ``--trust-request-chat-template`` only with ``inference.allow_client_chat_template``: vLLM
+  refuses templates sent by clients otherwise, as the ``hf`` backend does;
+- ``--enable-auto-tool-choice --tool-call-parser <vLLM's name>`` for ``inference.tool_call_parser``
+  (``prime_composer.tool_calls`` names vLLM's parser of the same format): tool calls come back in
+  ``message.tool_calls``. With ``required`` or a named function vLLM constrains decoding to the
+  parser's call format (xgrammar structural tags), a stronger guarantee than the ``hf`` backend's
+  forced opening; with ``"none"`` neither flag is passed and vLLM refuses ``tool_choice = "auto"``.
+
+The child imports ``prime_composer`` (extension, middleware) from the same source tree as this
+process: when that tree is a plain directory (a checkout, not site-packages), it is put first on
+the child's ``PYTHONPATH``, so a separate vLLM environment never runs another copy's code.
 
 The child gets its own process group; SIGTERM/SIGINT to ``serve_vllm`` stop that whole group
 (vLLM's engine core and workers are its children), SIGKILL after a grace period. On Linux the
@@ -40,10 +51,12 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+import prime_composer
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.inference.auth import resolve_admin_secret
 from prime_composer.inference.vllm.admin import SETTINGS_ENV, admin_settings
 from prime_composer.launch.process import die_with_parent
+from prime_composer.tool_calls import get_parser
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +84,9 @@ _RESERVED_OPTIONS = {
     "--middleware": "(set by the backend: it provides /update_weights and /reload_weights)",
     "--logprobs-mode": "(set by the backend: the trainer needs processed logprobs)",
     "--generation-config": "(set by the backend: request defaults must not depend on the model)",
+    "--trust-request-chat-template": "inference.allow_client_chat_template",
+    "--enable-auto-tool-choice": "inference.tool_call_parser",
+    "--tool-call-parser": "inference.tool_call_parser",
 }
 
 
@@ -154,6 +170,11 @@ def build_vllm_command(config: InferenceConfig, model_dir: str) -> list[str]:
         command += ["--gpu-memory-utilization", str(config.vllm.gpu_memory_utilization)]
     if config.vllm.enforce_eager:
         command.append("--enforce-eager")
+    if config.allow_client_chat_template:
+        command.append("--trust-request-chat-template")
+    if config.tool_call_parser is not None:
+        parser = get_parser(config.tool_call_parser)
+        command += ["--enable-auto-tool-choice", "--tool-call-parser", parser.vllm_name]
     return command + list(config.vllm.extra_args)
 
 
@@ -165,8 +186,22 @@ def build_vllm_env(config: InferenceConfig, base_env: dict[str, str] | None = No
         Path(config.output_dir) / "broadcasts",
         config.secret_env,
         config.served_model_name or config.model.name,
+        config.max_request_bytes,
     )
+    source = source_root()
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(source), env.get("PYTHONPATH")) if p)
     return env
+
+
+def source_root() -> Path | None:
+    """The directory holding this ``prime_composer`` package when it is a source tree (``src/``
+    of a checkout), or ``None`` when it is installed in site-packages (putting that on the
+    child's path would bring this environment's torch into vLLM's)."""
+    root = Path(prime_composer.__file__).resolve().parent.parent
+    if root.name in ("site-packages", "dist-packages"):
+        return None
+    return root
 
 
 def serve_vllm(config: InferenceConfig) -> None:

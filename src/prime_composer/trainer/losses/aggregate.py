@@ -123,6 +123,20 @@ def rl_normalizer(
     return float(cfg.constant_normalizer)
 
 
+def all_reduce_sum(value: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """``value`` summed over the ranks of ``group`` (a copy; ``value`` itself when not distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    return value
+
+
+def dense_segments(sample_ids: Tensor) -> Tensor:
+    """Sample ids renumbered 0..n-1 within a micro-batch (the ``segment_ids`` the losses index
+    ``B * T`` slots with; padding, id -1, becomes a segment of its own with no loss token)."""
+    return torch.unique(sample_ids, return_inverse=True)[1]
+
+
 def metric_pair(total: Tensor, count: Tensor | float) -> Tensor:
     """A detached ``[sum, count]`` float32 pair, the metric format of every loss term."""
     count = torch.as_tensor(count, dtype=torch.float32, device=total.device)

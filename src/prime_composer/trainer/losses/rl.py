@@ -9,6 +9,12 @@ Per loss token t with advantage A_t and importance ratio r_t = pi_trainer(y_t) /
 and the micro-batch returns ``sum_t w_t * l_t / normalizer`` with the global ``normalizer`` from
 ``aggregate.rl_normalizer`` (w_t = 1, or 1 / tokens-of-its-sequence for ``sequence_mean``).
 
+``sequence_mean`` counts only sequences that have at least one loss token: a sequence whose tokens
+are all masked (e.g. only environment tokens survived truncation) adds nothing to the numerator
+and nothing to the denominator. TRL's ``grpo`` divides by every row of the batch instead, so on a
+batch with such a row ours is TRL's times rows / non-empty sequences (``tests/unit/test_loss_rl.py``
+checks exactly that); with no empty sequence the two agree.
+
 How it departs from textbook PPO: the "old" policy is the inference server's policy that sampled
 the tokens (async RL), so the ratio also absorbs trainer/inference numerical mismatch; that is
 why tokens with extreme ratios can be masked (``mask_ratio_low/high``) and why the mismatch KL is

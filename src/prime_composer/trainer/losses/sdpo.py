@@ -191,14 +191,17 @@ class _GeneralizedJSD(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, student: Tensor, teacher: Tensor, beta: float, temperature: float, top_k: int | None
+        ctx: Any,
+        student: Tensor,
+        teacher: Tensor,
+        beta: float,
+        temperature: float,
+        top_k: int | None,
+        wants_grad: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         dtype = torch.promote_types(student.dtype, torch.float32)  # float64 stays float64 (tests)
-        grad = (
-            torch.empty(student.shape, dtype=dtype, device=student.device)
-            if ctx.needs_input_grad[0]
-            else None
-        )
+        # The [N, V] gradient buffer only when a backward can follow.
+        grad = torch.empty(student.shape, dtype=dtype, device=student.device) if wants_grad else None
         parts = []
         step = _chunk_rows(student)
         for start in range(0, student.shape[0], step):
@@ -213,12 +216,14 @@ class _GeneralizedJSD(torch.autograd.Function):
         return outputs  # type: ignore[return-value]
 
     @staticmethod
-    def backward(ctx: Any, grad_divergence: Tensor, *_: Any) -> tuple[Tensor | None, None, None, None, None]:
+    def backward(
+        ctx: Any, grad_divergence: Tensor, *_: Any
+    ) -> tuple[Tensor | None, None, None, None, None, None]:
         (grad,) = ctx.saved_tensors
         if grad is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         scale = grad_divergence.to(grad.dtype)[:, None] / ctx.temperature  # d(logits / T) / d logits
-        return (grad * scale).to(ctx.student_dtype), None, None, None, None
+        return (grad * scale).to(ctx.student_dtype), None, None, None, None, None
 
 
 def sdpo_loss(
@@ -286,8 +291,11 @@ def sdpo_loss_rows(
         )
     num_rows = student.shape[0]
     if num_rows > 0:
+        # Inside Function.forward grad mode is always off and needs_input_grad only looks at
+        # requires_grad, so whether a backward can come is decided here, from the caller's mode.
+        wants_grad = torch.is_grad_enabled() and student.requires_grad
         divergence, kl_ts, student_tail, teacher_tail = _GeneralizedJSD.apply(
-            student, teacher.detach(), cfg.beta, float(temperature), cfg.top_k
+            student, teacher.detach(), cfg.beta, float(temperature), cfg.top_k, wants_grad
         )
     else:
         # Empty: a zero that is still attached to the student, so backward gives zero grads.

@@ -6,14 +6,21 @@ For each step's kept samples (``HintBuilder.apply``):
    ``max_hinted_fraction`` of the step's samples end up hinted.
 2. **target turn**: ``info["error_turn"]``, else the turn the environment's feedback is about, else
    the last assistant turn (a single-turn rollout: the whole completion). The target span is that
-   turn's policy tokens in ``completion_ids``; tool and environment tokens are never in it.
-3. **hint**: the configured sources in order (``hint_sources``): sibling success, environment
-   feedback, template, LLM. The text is wrapped by ``hint_format`` and cut to ``max_hint_tokens``.
+   turn's policy tokens in ``completion_ids``; tool and environment tokens are never in it. For
+   multi-turn episodes the rollout stage has already located the error turn (a tool error, a
+   non-zero exit, the change a failing test run blames: ``episode.localize_error``) and written
+   it with its feedback; turns and their spans come from ``info["turns"]``.
+3. **hint**: the configured sources in order (``sources``): sibling success (for a multi-turn
+   target, the sibling's reply at the same step of its episode), environment feedback, template,
+   LLM. The text is wrapped by ``hint_format`` and cut to ``max_hint_tokens``.
 4. **teacher context**: the messages before the target turn with the hint inserted, rendered with
-   the same chat template (``hint_render``), after checking that the same messages without the hint
-   reproduce the student's tokens; cut in the middle to fit ``seq_len`` with the target span.
+   the same chat template (and the same tool definitions, ``info["tools"]``) after checking that
+   the same messages without the hint render to the text of the student's tokens. The teacher
+   keeps the student's own tokens up to where the texts differ and encodes only the rest
+   (``chat_render.splice_prompt``): a token-in rollout's history is token-exact, not a re-encoding.
+   Cut in the middle to fit ``seq_len`` with the target span.
 
-The result is written on the sample: ``Sample.set_sdpo_target(span, teacher_prefix_ids)`` and
+The result is written on the sample: ``Sample.set_sdpo_target(span, teacher_prefix_ids)`` (``Sample.sdpo``) and
 ``info["hint_source"]``, ``info["hint"]``. Packing then puts the student span in ``sdpo_mask`` and
 ``teacher_prefix_ids + completion_ids[start:end]`` in the micro-batch's teacher rows.
 
@@ -32,8 +39,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prime_composer.config.sdpo import HintConfig
-from prime_composer.orchestrator import hint_render
-from prime_composer.orchestrator.hint_sources import (
+from prime_composer.orchestrator.chat_render import ChatRenderer, splice_prompt
+from prime_composer.orchestrator.sample import Sample
+from prime_composer.orchestrator.sdpo import render
+from prime_composer.orchestrator.sdpo.sources import (
     HintRequest,
     LLMHints,
     TemplateHints,
@@ -44,7 +53,6 @@ from prime_composer.orchestrator.hint_sources import (
     sibling_hint,
     strip_thinking,
 )
-from prime_composer.orchestrator.sample import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +115,7 @@ class HintBuilder:
             )
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.renderer = ChatRenderer(tokenizer, chat_template_kwargs)
         self.seq_len = seq_len
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.success_threshold = (
@@ -120,7 +129,7 @@ class HintBuilder:
         """Set SDPO targets on ``samples`` in place (any earlier targets are cleared)."""
         stats = HintStats(num_samples=len(samples))
         for s in samples:
-            s.sdpo_span = s.teacher_prefix_ids = None
+            s.sdpo = None
             for key in ("hint_source", "hint", "hint_template"):
                 s.info.pop(key, None)
         groups: dict[int, list[Sample]] = defaultdict(list)
@@ -169,25 +178,29 @@ class HintBuilder:
             stats.num_llm_errors = self.llm.num_errors - llm_errors_before
         return stats
 
-    def _last_replies(self, samples: list[Sample]) -> dict[int, str]:
-        """Text of every successful sample's last assistant turn (sibling solutions)."""
-        out = {}
+    def _last_replies(self, samples: list[Sample]) -> dict[int, dict[int, str]]:
+        """Text of every successful sample's assistant turns by step (sibling solutions); a
+        single-turn sample has just step 0."""
+        out: dict[int, dict[int, str]] = {}
         for s in samples:
             if s.error is None and s.reward >= self.success_threshold:
-                turns = hint_render.assistant_turns(s.completion_mask)
-                if turns:
-                    start, end = turns[-1]
+                texts = {}
+                for step, (start, end) in zip(_steps(s), _spans(s), strict=True):
                     text = self.tokenizer.decode(s.completion_ids[start:end], skip_special_tokens=True)
-                    out[id(s)] = strip_thinking(text) if self.cfg.strip_thinking else text.strip()
+                    texts[step] = strip_thinking(text) if self.cfg.strip_thinking else text.strip()
+                if texts:
+                    out[id(s)] = texts
         return out
 
-    async def _build(self, sample: Sample, group: list[Sample], replies: dict[int, str]) -> _Built | str:
+    async def _build(
+        self, sample: Sample, group: list[Sample], replies: dict[int, dict[int, str]]
+    ) -> _Built | str:
         """The sample's target, or the reason it gets none."""
         cfg = self.cfg
-        turns = hint_render.assistant_turns(sample.completion_mask)
+        turns = _spans(sample)
         if not turns:
             return "no_policy_tokens"
-        messages = hint_render.text_messages(sample.info.get("messages") or [])
+        messages = render.text_messages(sample.info.get("messages") or [])
         if not messages:
             return "no_messages"
         feedback = parse_feedback(sample.info.get("feedback"))
@@ -201,11 +214,13 @@ class HintBuilder:
         end = min(end, self.seq_len - len(sample.prompt_ids))
         if end <= start:
             return "student_truncated"
-        context = hint_render.turn_context(messages, turn)
+        context = _turn_context(sample, messages, turn)
         if context is None:
             return "messages_mismatch"
+        tools = sample.info.get("tools") if sample.info.get("render_tools") else None
         student_context = sample.prompt_ids + sample.completion_ids[:start]
-        if hint_render.render_ids(self.tokenizer, context, self.template_kwargs) != student_context:
+        student_text = self.renderer.text(context, tools)
+        if self.renderer.decode(student_context) != student_text:
             return "render_mismatch"
 
         turn_feedback = feedback_for_turn(feedback, turn, len(turns))
@@ -213,6 +228,7 @@ class HintBuilder:
             sample=sample,
             group=group,
             turn=turn,
+            step=_steps(sample)[turn],
             num_turns=len(turns),
             reply=self.tokenizer.decode(sample.completion_ids[start:end], skip_special_tokens=True),
             messages=messages,
@@ -225,11 +241,11 @@ class HintBuilder:
         source, text, detail = found
         hint = self._cut(cfg.hint_format.replace("{hint}", text))
 
-        prefix = hint_render.render_ids(
-            self.tokenizer, hint_render.with_hint(context, hint, cfg), self.template_kwargs
-        )
-        task_ids = hint_render.task_statement_ids(self.tokenizer, context, self.template_kwargs)
-        fitted = hint_render.fit_teacher(prefix, student_context, task_ids, end - start, self.seq_len)
+        teacher_text = self.renderer.text(render.with_hint(context, hint, cfg), tools)
+        prefix = splice_prompt(self.renderer, student_context, student_text, teacher_text)
+        kwargs = {**self.template_kwargs, **({"tools": tools} if tools else {})}
+        task_ids = render.task_statement_ids(self.tokenizer, context, kwargs)
+        fitted = render.fit_teacher(prefix, student_context, task_ids, end - start, self.seq_len)
         if fitted is None:
             return "teacher_too_long"
         teacher_prefix, span_len = fitted
@@ -256,7 +272,7 @@ class HintBuilder:
         return explicit % num_turns
 
     async def _hint_text(
-        self, request: HintRequest, replies: dict[int, str]
+        self, request: HintRequest, replies: dict[int, dict[int, str]]
     ) -> tuple[str, str, str | None] | None:
         """``(source, text, template name)`` from the first source that yields a hint."""
         cfg = self.cfg
@@ -283,3 +299,32 @@ class HintBuilder:
         if len(ids) <= self.cfg.max_hint_tokens:
             return hint
         return self.tokenizer.decode(ids[: self.cfg.max_hint_tokens], skip_special_tokens=True)
+
+
+def _spans(sample: Sample) -> list[tuple[int, int]]:
+    """Token spans of the sample's assistant turns: its turn records, else the runs of mask 1."""
+    turns = sample.info.get("turns")
+    if turns:
+        return [tuple(t.span) for t in turns]  # type: ignore[misc]
+    return render.assistant_turns(sample.completion_mask)
+
+
+def _steps(sample: Sample) -> list[int]:
+    """Each assistant turn's step in its episode (a split episode's later samples start past 0)."""
+    turns = sample.info.get("turns")
+    return (
+        [t.index for t in turns]
+        if turns
+        else list(range(len(render.assistant_turns(sample.completion_mask))))
+    )
+
+
+def _turn_context(sample: Sample, messages: list[dict[str, Any]], turn: int) -> list[dict[str, Any]] | None:
+    """The messages before the sample's ``turn``-th assistant turn."""
+    turns = sample.info.get("turns")
+    if turns and turns[turn].message_index is not None:
+        index = turns[turn].message_index
+        if index > len(messages) or (index < len(messages) and messages[index].get("role") != "assistant"):
+            return None
+        return list(messages[:index])
+    return render.turn_context(messages, turn)

@@ -52,7 +52,9 @@ class HintRequest:
     group: list[Sample]
     """The sample's group (same ``group_id``), the sample itself included."""
     turn: int
-    """Index of the target assistant turn (0-based)."""
+    """Index of the target assistant turn in the sample (0-based)."""
+    step: int
+    """The target turn's step in its episode (``turn`` unless the episode was split in samples)."""
     num_turns: int
     reply: str
     """Text of the target turn as the policy wrote it."""
@@ -108,9 +110,11 @@ def strip_thinking(text: str) -> str:
 
 
 def sibling_hint(
-    request: HintRequest, success_threshold: float, sibling_format: str, replies: dict[int, str]
+    request: HintRequest, success_threshold: float, sibling_format: str, replies: dict[int, dict[int, str]]
 ) -> str | None:
-    """A hint from the best successful sibling's last reply (``replies``: ``id(sample)`` -> text)."""
+    """A hint from the best successful sibling: its reply at the target's step of the episode, or
+    its last reply when its episode is shorter (``replies``: ``id(sample)`` -> step -> text). For a
+    single-turn rollout that is the sibling's answer."""
     best: Sample | None = None
     for s in request.group:
         if s is request.sample or s.error is not None or s.reward < success_threshold:
@@ -119,7 +123,8 @@ def sibling_hint(
             best = s
     if best is None:
         return None
-    solution = replies.get(id(best), "").strip()
+    steps = replies.get(id(best), {})
+    solution = (steps.get(request.step) or (steps[max(steps)] if steps else "")).strip()
     return sibling_format.replace("{solution}", solution) if solution else None
 
 

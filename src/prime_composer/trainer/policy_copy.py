@@ -1,13 +1,18 @@
-"""The SDPO teacher: the policy's weights (live), an EMA of them, or the initial ones (frozen).
+"""Copies of the policy that loss terms score tokens with: live, an EMA of it, or the initial weights.
 
-The teacher reads the hinted context and scores the same target tokens as the student; it never
-receives gradients. Its weights, by ``loss.sdpo.teacher``:
+A copy never receives gradients. The SDPO term's teacher reads the hinted context and scores the
+same target tokens as the student; the RL term's KL reference scores the sampled tokens. Kinds
+(``loss.sdpo.teacher``; the KL reference is always ``frozen``):
 
 - ``live``: the policy module itself, run under ``torch.no_grad()`` (no extra memory; reported to
   diverge, since the target moves with every step);
 - ``ema``: a copy updated after every optimizer step, ``p_t = rate * p_t + (1 - rate) * p_s``
   (the SDPO reference default);
 - ``frozen``: a copy of the policy at construction, never updated.
+
+Terms get copies from ``trainer/losses/base.py``'s ``TermContext``, which makes at most one copy
+per kind (the SDPO teacher and the KL reference share one ``frozen`` copy), updates the EMA after
+each optimizer step and checkpoints the copies.
 
 Copies are sharded like the policy: on one process a ``deepcopy``; under FSDP2 the caller passes
 ``make_copy`` (e.g. load and ``fully_shard`` the model again) and the policy's local shards are
@@ -23,10 +28,10 @@ and there is no master.
 
 Checkpoints: ``state_dict`` / ``load_state_dict`` (torch.distributed.checkpoint's ``Stateful``)
 hold the kind and, for ``ema`` and ``frozen``, the weights (the fp32 master where there is one,
-DTensor shards under FSDP), so a resumed run continues with the same teacher: the EMA where it
-was, the frozen teacher still the run's *initial* policy (not the resumed one).
+DTensor shards under FSDP), so a resumed run continues with the same copy: the EMA where it
+was, the frozen copy still the run's *initial* policy (not the resumed one).
 
-Teacher logits are taken only where needed: a forward pre-hook on the model's output head
+Target logits (``target_logits``) are taken only where needed: a forward pre-hook on the model's output head
 (``get_output_embeddings()``) hands it only the hidden states of the N positions that predict
 target tokens, so the head produces ``[N, V]`` instead of ``[R, T, V]``; whatever the model does
 after the head (soft-capping, scaling) still applies. A module without an output head gets the
@@ -38,12 +43,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from prime_composer.config.loss import SDPOLossConfig
+from prime_composer.trainer.forward import forward_micro_batch
+from prime_composer.transport.batch import MicroBatch
+
+CopyKind = Literal["live", "ema", "frozen"]
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -52,21 +60,26 @@ def _local(tensor: Tensor) -> Tensor:
     return to_local() if to_local is not None else tensor
 
 
-class TeacherModel:
-    """Holds the teacher weights for ``cfg.teacher`` and runs the no-grad teacher forward."""
+class PolicyCopy:
+    """Holds the weights of one ``kind`` of policy copy and runs its no-grad forwards."""
 
     def __init__(
         self,
         policy: nn.Module,
-        cfg: SDPOLossConfig,
+        kind: CopyKind,
+        *,
+        ema_rate: float = 0.99,
         make_copy: Callable[[], nn.Module] | None = None,
     ) -> None:
-        """``make_copy`` builds an empty module sharded like ``policy`` (needed under FSDP2, where a
-        deepcopy of a sharded module is not supported); None deep-copies ``policy``."""
-        self.kind = cfg.teacher
-        self.rate = cfg.ema_rate
+        """``ema_rate`` is the EMA decay per optimizer step (``ema`` only); ``make_copy`` builds an
+        empty module sharded like ``policy`` (needed under FSDP2, where a deepcopy of a sharded module
+        is not supported); None deep-copies ``policy``."""
+        if kind not in ("live", "ema", "frozen"):
+            raise ValueError(f"policy copy kind must be 'live', 'ema' or 'frozen', got {kind!r}")
+        self.kind: CopyKind = kind
+        self.rate = ema_rate
         self.num_forwards = 0
-        """Teacher forwards run so far (tests check that ``weight = 0`` runs none)."""
+        """Forwards run so far (tests check that a term with weight 0 runs none)."""
         self.master: dict[str, Tensor] = {}
         """fp32 EMA of the parameters and floating buffers stored in bf16/fp16 (DTensors under
         FSDP, like the module's), by name; empty when the module is fp32 or the kind is not ema."""
@@ -89,24 +102,24 @@ class TeacherModel:
 
     @staticmethod
     def _tensors(module: nn.Module) -> dict[str, Tensor]:
-        """Every parameter and floating buffer of ``module`` by name (what the teacher copies)."""
+        """Every parameter and floating buffer of ``module`` by name (what the copy holds)."""
         return dict(module.named_parameters()) | {
             k: b for k, b in module.named_buffers() if b.is_floating_point()
         }
 
     def _pairs(self, policy: nn.Module) -> list[tuple[str, Tensor, Tensor]]:
-        """(name, teacher, policy) local tensors of every parameter and floating buffer."""
+        """(name, copy, policy) local tensors of every parameter and floating buffer."""
         mine, theirs = self._tensors(self.module), self._tensors(policy)
         if mine.keys() != theirs.keys():
             missing = sorted(mine.keys() ^ theirs.keys())[:5]
-            raise ValueError(f"SDPO teacher and policy have different parameters (e.g. {missing})")
+            raise ValueError(f"policy copy and policy have different parameters (e.g. {missing})")
         pairs = []
         for name, t in mine.items():
             t_local, p_local = _local(t.detach()), _local(theirs[name].detach())
             if t_local.shape != p_local.shape:
                 raise ValueError(
-                    f"SDPO teacher parameter {name} has local shape {tuple(t_local.shape)} but the policy's is "
-                    f"{tuple(p_local.shape)}: the teacher copy must be sharded like the policy"
+                    f"policy copy parameter {name} has local shape {tuple(t_local.shape)} but the policy's is "
+                    f"{tuple(p_local.shape)}: the copy must be sharded like the policy"
                 )
             pairs.append((name, t_local, p_local))
         return pairs
@@ -147,15 +160,15 @@ class TeacherModel:
         or a plain dict of the same layout)."""
         if state.get("kind") != self.kind:
             raise ValueError(
-                f"the checkpoint's SDPO teacher is {state.get('kind')!r} but loss.sdpo.teacher is "
-                f"{self.kind!r}: resume with the teacher the run was saved with"
+                f"the checkpoint's policy copy is {state.get('kind')!r} but this run needs {self.kind!r} "
+                "(loss.sdpo.teacher): resume with the settings the run was saved with"
             )
         if self.kind == "live":
             return
         mine = self.state_dict()["weights"]
         if state["weights"].keys() != mine.keys():
             missing = sorted(state["weights"].keys() ^ mine.keys())[:5]
-            raise ValueError(f"the checkpoint's SDPO teacher has different parameters (e.g. {missing})")
+            raise ValueError(f"the checkpoint's policy copy has different parameters (e.g. {missing})")
         for name, tensor in mine.items():
             if state["weights"][name] is not tensor:
                 tensor.copy_(state["weights"][name])
@@ -165,13 +178,20 @@ class TeacherModel:
             _local(tensors[name].detach()).copy_(_local(master))
 
     @torch.no_grad()
-    def logits(
+    def token_logprobs(self, mb: MicroBatch) -> Tensor:
+        """``[R, T]`` float32 log-probabilities of ``mb``'s core tokens at ``mb.temperature`` under
+        this copy (aligned like ``ForwardOutput.logprobs``), e.g. for the KL reference."""
+        self.num_forwards += 1
+        return forward_micro_batch(self.module, mb, entropy=False).logprobs
+
+    @torch.no_grad()
+    def target_logits(
         self, input_ids: Tensor, position_ids: Tensor, target_mask: Tensor, temperature: float
     ) -> Tensor:
-        """Teacher logits ``[N, V]`` (float32, divided by ``temperature``) for the N target tokens.
+        """Logits ``[N, V]`` (float32, divided by ``temperature``) for the N target tokens.
 
         Args:
-            input_ids, position_ids: ``[R, T]`` packed teacher rows (positions restart at 0 for every
+            input_ids, position_ids: ``[R, T]`` packed rows (positions restart at 0 for every
                 packed sequence, like the student's).
             target_mask: ``[R, T]`` bool, True on target tokens; row ``n`` of the result is the
                 distribution target token ``n`` (row-major order) was predicted from, i.e. the logits
@@ -199,7 +219,7 @@ class TeacherModel:
                 hidden = args[0] if len(args) == 1 else None
                 if hidden is None or tuple(hidden.shape[:2]) != tuple(input_ids.shape):
                     raise RuntimeError(
-                        f"SDPO teacher: expected the output head of {type(self.module).__name__} to get "
+                        f"policy copy: expected the output head of {type(self.module).__name__} to get "
                         f"one [R, T, H] hidden-state tensor for [R, T] = {tuple(input_ids.shape)}, got "
                         f"{[tuple(a.shape) for a in args if isinstance(a, Tensor)]}"
                     )

@@ -1,0 +1,86 @@
+"""The fault-injection suite as a table: every scenario of ``tests/faults/``, survived or not.
+
+Each test in ``tests/faults/`` is one scenario: a damaged file of some kind, a hostile request, a
+process killed at a random point of a step, a full disk, a run that would train on nothing. Each
+asserts that nothing was lost, nothing wrong was accepted silently, and the message says what
+happened. This script runs them (``pytest tests/faults``, the slow ones included unless
+``--fast``) and prints one row per test file, then
+
+    scenarios=N survived=M silent=S
+
+``survived`` counts passing scenarios. ``silent`` counts failures where the fault went unnoticed
+(the test expected an error and none came: pytest's "DID NOT RAISE", or an assertion whose message
+says the damaged input was accepted) — the number that must be 0.
+
+    uv run python bench/faults.py            # ~12 min (kills and resumes real runs)
+    uv run python bench/faults.py --fast     # without the end-to-end scenarios, ~3 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SILENT_MARKERS = ("DID NOT RAISE", "accepted", "resumed from the damaged", "did not happen")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--fast", action="store_true", help="leave out the slow (end-to-end) scenarios")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "faults.xml"
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "tests/faults",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={report}",
+        ]
+        if args.fast:
+            command += ["-m", "not slow"]
+        subprocess.run(command, cwd=REPO)
+        cases = ET.parse(report).getroot().iter("testcase")
+        rows: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+        failures = []
+        for case in cases:
+            where = case.get("classname", "?").rsplit(".", 1)[-1]
+            problem = case.find("failure")
+            if problem is None:
+                problem = case.find("error")
+            if case.find("skipped") is not None:
+                failures.append(
+                    f"{where}::{case.get('name')}: skipped (a skipped scenario does not count as survived)"
+                )
+                rows[where][0] += 1
+                continue
+            rows[where][0] += 1
+            if problem is None:
+                rows[where][1] += 1
+                continue
+            text = (problem.get("message") or "") + (problem.text or "")
+            if any(marker in text for marker in SILENT_MARKERS):
+                rows[where][2] += 1
+            failures.append(f"{where}::{case.get('name')}: {(problem.get('message') or '').splitlines()[:1]}")
+    print(f"{'scenario file':32s} {'scenarios':>9s} {'survived':>8s} {'silent':>6s}")
+    for where, (total, survived, silent) in sorted(rows.items()):
+        print(f"{where:32s} {total:9d} {survived:8d} {silent:6d}")
+    for line in failures:
+        print("  not survived:", line)
+    total, survived, silent = (sum(r[i] for r in rows.values()) for i in range(3))
+    print(f"scenarios={total} survived={survived} silent={silent}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""Benchmark: what the VOI gate + cascade save in teacher calls and dollars, and what recall of
+planted errors they keep, against asking every teacher at every step, in one run.
+
+Workload: ``--num-traces`` synthetic coding-agent traces (read the tree, run the failing tests,
+read the module, edit, re-run, answer), with long tool outputs so the context grows step by step
+like a real agent's. In ``--planted`` of them one step is a planted mistake of one of four kinds:
+
+- ``wrong_edit``: an edit that does not fix the bug; the next test run fails;
+- ``edit_tests``: the agent edits the test instead of the code; the tests then pass (silent);
+- ``give_up``: the agent answers "done" right after a failing run;
+- ``revert``: the agent reverts its correct edit (``git checkout``), then answers.
+
+The student's uncertainty comes from logprobs drawn per action token: mean ``-0.15`` at ordinary
+steps, ``-0.6`` at planted ones, both with wide noise (the ranges overlap); ``--no-uncertainty``
+draws them all from one distribution. Teachers are three fake OpenAI-compatible endpoints on
+loopback (``teacher.fakes``) with the prices of three frontier models (``PRICES``, per 1M tokens)
+that answer from an oracle: at a planted step the right action with probability ``accuracy``
+(else the trace's mistake or a random alternative); at an ordinary step the trace's own action
+with probability ``agreement`` (else one of a few alternatives, so teachers sometimes agree on a
+spurious pair). Answers are a deterministic function of (teacher, state), so the two runs see the
+same teachers; usage is ~4 characters per token.
+
+Both runs use the real ``Replayer`` (plan, cascade, ``TeacherPool``: cache, budget, ledger,
+``EndpointClient``) on a fresh store each, with no budget caps (the gate is measured, not the caps):
+
+- ``ungated``: ``gate.enabled = false``, ``gate.cascade = false``: every step, every teacher;
+- ``gated``: the gate (``--max-steps-per-trace`` B) and the cascade, with the defaults otherwise.
+
+A planted step is *recalled* when it becomes a pair whose chosen side is the right action. The
+last line is ``calls_ratio=X cost_ratio=Y recall=Z``: X = ungated / gated calls, Y = ungated /
+gated dollars, Z = gated recall / ungated recall (targets: X >= 3, Y >= 4, Z >= 0.8).
+
+Run::
+
+    uv run python bench/replay.py
+    uv run python bench/replay.py --num-traces 200 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from prime_composer.config.teacher import TeacherServiceConfig, TraceSourceConfig
+from prime_composer.inference.local import running_app
+from prime_composer.teacher.budget import Budget
+from prime_composer.teacher.fakes import fake_teacher_app
+from prime_composer.teacher.pool import TeacherPool
+from prime_composer.teacher.prompts import prompt_hash, teacher_messages
+from prime_composer.teacher.replay import Replayer
+from prime_composer.teacher.store import TeacherStore
+from prime_composer.teacher.traces import Trace, parse_trace
+
+PRICES = {  # USD per 1M input / output tokens, cheapest last
+    "frontier-a": (3.00, 15.00),
+    "frontier-b": (1.25, 10.00),
+    "frontier-c": (0.30, 2.50),
+}
+ACCURACY = {"frontier-a": 0.92, "frontier-b": 0.90, "frontier-c": 0.80}
+AGREEMENT = 0.85
+KINDS = ("wrong_edit", "edit_tests", "give_up", "revert")
+ALTERNATIVES = [
+    {"tool": "bash", "arguments": {"command": "git status"}},
+    {"tool": "bash", "arguments": {"command": "ls -la"}},
+    {"tool": "bash", "arguments": {"command": "pytest -q -x"}},
+]
+
+
+def bash(command: str) -> dict[str, Any]:
+    return {"tool": "bash", "arguments": {"command": command}}
+
+
+def edit(path: str, old: str, new: str) -> dict[str, Any]:
+    return {"tool": "str_replace", "arguments": {"path": path, "old_str": old, "new_str": new}}
+
+
+def message(text: str) -> dict[str, Any]:
+    return {"message": text}
+
+
+@dataclass
+class Step:
+    action: dict[str, Any]
+    result: str | None
+    exit_code: int | None = None
+    right: dict[str, Any] | None = None
+    """The right action, for a planted mistake."""
+
+
+def module_text(rng: random.Random, i: int) -> str:
+    lines = [f'"""Module {i}: helpers for the accounting service."""', "", "import math", ""]
+    for f in range(rng.randint(12, 24)):
+        lines += [
+            f"def helper_{f}(x, y):",
+            f'    """Helper {f} combines two values."""',
+            f"    return x * {f} + y",
+            "",
+        ]
+    lines += ["def total(a, b):", '    """Sum of two amounts."""', "    return a - b", ""]
+    return "\n".join(lines)
+
+
+def make_trace(
+    i: int, rng: random.Random, plant: str | None, informative: bool
+) -> tuple[dict[str, Any], int | None, dict[str, Any] | None]:
+    """A trace, the turn index of its planted step and the right action there (None, None)."""
+    mod, test = f"pkg{i}/ledger.py", f"pkg{i}/test_ledger.py"
+    fail = f"FAILED {test}::test_total - assert -1 == 5\n1 failed, {rng.randint(3, 9)} passed in 0.{rng.randint(10, 99)}s"
+    ok = f"{rng.randint(4, 10)} passed in 0.{rng.randint(10, 99)}s"
+    fix = edit(mod, "return a - b", "return a + b")
+    steps = [
+        Step(bash(f"ls pkg{i}"), "ledger.py\ntest_ledger.py\nREADME.md", 0),
+        Step(bash("pytest -q"), fail, 1),
+        Step(bash(f"cat {mod}"), module_text(rng, i), 0),
+        Step(bash(f"grep -n total {test}"), "12:    assert total(2, 3) == 5", 0),
+    ]
+    planted = None
+    if plant == "wrong_edit":
+        planted = len(steps)
+        steps += [
+            Step(edit(mod, "return a - b", "return b - a"), "edited", 0, right=fix),
+            Step(bash("pytest -q"), fail, 1),
+            Step(fix, "edited", 0),
+            Step(bash("pytest -q"), ok, 0),
+        ]
+    elif plant == "edit_tests":
+        planted = len(steps)
+        steps += [
+            Step(edit(test, "== 5", "== -1"), "edited", 0, right=fix),
+            Step(bash("pytest -q"), ok, 0),
+        ]
+    elif plant == "give_up":
+        steps += [
+            Step(edit(mod, "return a - b", "return b - a"), "edited", 0),
+            Step(bash("pytest -q"), fail, 1),
+        ]
+        planted = len(steps)
+        steps += [Step(message("The bug is fixed."), None, right=fix)]
+    elif plant == "revert":
+        steps += [Step(fix, "edited", 0), Step(bash("pytest -q"), ok, 0)]
+        planted = len(steps)
+        steps += [Step(bash(f"git checkout -- {mod}"), "", 0, right=message("The bug is fixed."))]
+    else:
+        steps += [Step(fix, "edited", 0), Step(bash("pytest -q"), ok, 0)]
+    if plant != "give_up":
+        steps.append(Step(message("The bug is fixed."), None))
+
+    turns: list[dict[str, Any]] = [
+        {"role": "user", "content": f"Fix the failing test in pkg{i}/: total() is wrong."}
+    ]
+    planted_turn = None
+    for k, step in enumerate(steps):
+        n_tokens = rng.randint(12, 40)
+        mean = -0.6 if (k == planted and informative) else -0.15
+        logprobs = [min(0.0, rng.gauss(mean, 0.35)) for _ in range(n_tokens)]
+        turn: dict[str, Any] = {"role": "assistant", "content": "", "logprobs": logprobs}
+        if "message" in step.action:
+            turn["content"] = step.action["message"]
+        else:
+            turn["tool_calls"] = [
+                {"id": f"c{k}", "name": step.action["tool"], "arguments": step.action["arguments"]}
+            ]
+        if k == planted:
+            planted_turn = len(turns)
+        turns.append(turn)
+        if step.result is not None:
+            turns.append(
+                {"role": "tool", "tool_call_id": f"c{k}", "content": step.result, "exit_code": step.exit_code}
+            )
+    record = {"id": f"trace-{i:04d}", "task": turns[0]["content"], "turns": turns, "reward": 0.0}
+    return record, planted_turn, steps[planted].right if planted is not None else None
+
+
+def _unit(*parts: object) -> float:
+    digest = hashlib.sha256("|".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64
+
+
+def oracle_answers(
+    traces: list[Trace], rights: dict[tuple[str, int], dict[str, Any]], instructions: str
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """``teacher -> prompt hash -> answer``: what each teacher says at each state."""
+    table: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in PRICES}
+    for trace in traces:
+        for k in trace.step_indices:
+            key = prompt_hash(teacher_messages(trace, k, instructions))
+            turn = trace.turns[k]
+            own: dict[str, Any] = (
+                {"tool": turn.tool_calls[0].name, "arguments": turn.tool_calls[0].arguments}
+                if turn.tool_calls
+                else {"message": turn.content}
+            )
+            right = rights.get((trace.trace_id, k))
+            for name in PRICES:
+                u = _unit(name, trace.trace_id, k)
+                alternative = ALTERNATIVES[int(_unit("alt", name, trace.trace_id, k) * len(ALTERNATIVES))]
+                if right is not None:
+                    wrong = own if _unit("agree", name, trace.trace_id, k) < 0.5 else alternative
+                    table[name][key] = right if u < ACCURACY[name] else wrong
+                else:
+                    table[name][key] = own if u < AGREEMENT else alternative
+    return table
+
+
+def run(
+    cfg: TeacherServiceConfig, traces: list[Trace], planted: dict[tuple[str, int], dict[str, Any]]
+) -> dict[str, float]:
+    store = TeacherStore(cfg.store_path)
+    for trace in traces:
+        assert store.add_trace(trace) is None
+
+    async def main() -> None:
+        pool = TeacherPool(
+            cfg.pool,
+            cfg.budget,
+            store,
+            Budget(cfg.budget),
+            expected_output_tokens=cfg.gate.expected_output_tokens,
+        )
+        try:
+            await Replayer(cfg, store, pool).run_pending()
+        finally:
+            await pool.aclose()
+
+    started = time.perf_counter()
+    asyncio.run(main())
+    elapsed = time.perf_counter() - started
+    ledger = store.ledger()
+    calls = [r for r in ledger if r["outcome"] not in ("cache_hit", "budget")]
+    steps = {(r["trace_id"], r["turn_index"]): (r["outcome"], r["selected"]) for r in store.steps()}
+    chosen = {(r["trace_id"], r["turn_index"]): r["chosen_key"] for r in store.pairs()}
+    right_keys = {k: _key(v) for k, v in planted.items()}
+    recalled = sum(1 for k in planted if steps[k][0] == "pair" and chosen.get(k) == right_keys[k])
+    num_pairs = len(chosen)
+    true_pairs = sum(1 for k, c in chosen.items() if right_keys.get(k) == c)
+    selected_planted = sum(1 for k in planted if steps[k][1])
+    store.close()
+    return {
+        "calls": len(calls),
+        "dollars": sum(r["dollars"] for r in calls),
+        "steps_asked": sum(1 for outcome, selected in steps.values() if selected),
+        "recall": recalled / max(1, len(planted)),
+        "selected_planted": selected_planted / max(1, len(planted)),
+        "pairs": num_pairs,
+        "precision": true_pairs / max(1, num_pairs),
+        "seconds": elapsed,
+    }
+
+
+def _key(action: dict[str, Any]) -> str:
+    from prime_composer.teacher.actions import Action, canonical_call
+
+    if "message" in action:
+        return Action(message=action["message"]).key
+    return Action(calls=(canonical_call(action["tool"], action["arguments"]),)).key
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--num-traces", type=int, default=80)
+    parser.add_argument(
+        "--planted", type=float, default=0.75, help="fraction of traces with a planted mistake"
+    )
+    parser.add_argument(
+        "--max-steps-per-trace", type=int, default=None, help="the gate's B (default: the config's)"
+    )
+    parser.add_argument("--no-uncertainty", action="store_true", help="logprobs carry no signal")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    rng = random.Random(args.seed)
+    records, planted = [], {}
+    for i in range(args.num_traces):
+        kind = KINDS[i % len(KINDS)] if rng.random() < args.planted else None
+        record, turn, right = make_trace(i, rng, kind, informative=not args.no_uncertainty)
+        records.append(record)
+        if turn is not None and right is not None:
+            planted[(record["id"], turn)] = right
+    traces = [parse_trace(r, "bench", TraceSourceConfig()) for r in records]
+    probe = TeacherServiceConfig.model_validate({"pool": [{"base_url": "http://x/v1", "model": "m"}]})
+    table = oracle_answers(traces, planted, probe.instructions)
+    apps = {
+        name: fake_teacher_app(lambda messages, t=table[name]: t[prompt_hash(messages)]) for name in PRICES
+    }
+
+    b = {} if args.max_steps_per_trace is None else {"max_steps_per_trace": args.max_steps_per_trace}
+    results = {}
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(running_app(app)) for name, app in apps.items()}
+        pool = [
+            {"name": n, "base_url": f"{u}/v1", "model": n, "input_usd_per_m": PRICES[n][0], "output_usd_per_m": PRICES[n][1], "max_concurrency": 16, "max_tokens": 256}
+            for n, u in urls.items()
+        ]  # fmt: skip
+        for name, gate in (
+            ("ungated", {"enabled": False, "cascade": False}),
+            ("gated", {"enabled": True, "cascade": True, **b}),
+        ):
+            with tempfile.TemporaryDirectory() as out:
+                cfg = TeacherServiceConfig.model_validate(
+                    {
+                        "output_dir": out,
+                        "pool": pool,
+                        "gate": gate,
+                        "budget": {"per_trace_usd": None},
+                        "max_concurrent_steps": 32,
+                    }
+                )
+                results[name] = run(cfg, traces, planted)
+
+    n = args.num_traces
+    steps_total = sum(len(t.step_indices) for t in traces)
+    print(
+        f"traces={n} steps={steps_total} planted={len(planted)} uncertainty_signal={not args.no_uncertainty}"
+    )
+    print(
+        "| run | steps asked | calls/trace | $/trace | pairs | precision | planted selected | recall | wall s |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, r in results.items():
+        print(
+            f"| {name} | {r['steps_asked']} | {r['calls'] / n:.2f} | {r['dollars'] / n:.4f} | {r['pairs']} | "
+            f"{r['precision']:.2f} | {r['selected_planted']:.2f} | {r['recall']:.3f} | {r['seconds']:.1f} |"
+        )
+    u, g = results["ungated"], results["gated"]
+    print(
+        f"calls_ratio={u['calls'] / g['calls']:.2f} cost_ratio={u['dollars'] / g['dollars']:.2f} recall={g['recall'] / u['recall']:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""Config of the Streaming DiLoCo outer loop across data centers (``[diloco]``).
+
+Each data center (DC) trains its own copy of the model with the trainer's optimizer (the *inner*
+loop). Every ``sync_every`` (H) inner steps each of the ``num_fragments`` (P) fragments of the
+model is synchronised once, one fragment every H/P steps (Streaming DiLoCo's staggered schedule):
+the DC sends ``global - local`` (the pseudo-gradient, quantized), every DC averages the same
+contributions in the same order, and takes an outer Nesterov SGD step on its copy of the global
+fragment. The exchange runs in the background for ``fragment_sync_delay`` (tau) inner steps.
+
+What a user swaps per DC is ``cluster_id``, ``peers``, ``host``/``port`` and the secret; every
+other field must be the same in every DC of a run (the payload header carries the settings that
+matter, and a DC rejects payloads made with other ones).
+
+No torch import (config rule).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import Field, model_validator
+
+from prime_composer.config.base import BaseConfig
+from prime_composer.netaddr import is_loopback
+
+Quantization = Literal["none", "int8", "int4"]
+
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class OuterOptimConfig(BaseConfig):
+    """The outer optimizer: SGD with (Nesterov) momentum on the averaged pseudo-gradient."""
+
+    lr: float = Field(default=0.7, gt=0)
+    """Outer learning rate (DiLoCo: 0.7). 1.0 without momentum is plain parameter averaging."""
+
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    """Outer momentum (DiLoCo: 0.9); 0 is plain SGD on the pseudo-gradient."""
+
+    nesterov: bool = True
+    """Nesterov momentum (``d = g + momentum * buf``) instead of heavy-ball (``d = buf``)."""
+
+
+class PeerConfig(BaseConfig):
+    """Another DC of the run, as this DC reaches it."""
+
+    cluster_id: str
+    """The peer's ``diloco.cluster_id`` (payloads name their sender; the id must match)."""
+
+    urls: list[str] = Field(min_length=1)
+    """Where to download the peer's payloads: its origin (``http://host:port``) first, then any
+    shardcast relays that mirror it. The shardcast client spreads downloads over them by measured
+    speed and success rate."""
+
+
+class TorchftConfig(BaseConfig):
+    """``backend = "torchft"``: DiLoCo over torchft's Manager (gloo/NCCL between the DCs)."""
+
+    lighthouse: str = "http://127.0.0.1:29510"
+    """Address of the torchft lighthouse (``torchft_lighthouse --bind ... --min_replicas N``),
+    exported as ``TORCHFT_LIGHTHOUSE`` for the Manager."""
+
+    timeout_s: float = Field(default=60.0, gt=0)
+    """Time limit of a collective and of a quorum; a DC gone for longer is dropped by torchft."""
+
+    store_port: int = Field(default=29600, ge=1, le=65535)
+    """Port of this DC's own TCP store (the Manager's rendezvous inside the replica group)."""
+
+
+class DilocoConfig(BaseConfig):
+    """The Streaming DiLoCo outer loop (off by default)."""
+
+    enabled: bool = False
+    """Run the outer loop after the trainer's optimizer steps."""
+
+    backend: Literal["shardcast", "torchft"] = "shardcast"
+    """``shardcast``: each DC serves its signed payloads over HTTP and downloads its peers' (works
+    across the internet, through relays, with deadlines and agreed membership). ``torchft``:
+    ``torchft.local_sgd.DiLoCo`` with a lighthouse, for DCs that reach each other directly
+    (gloo/NCCL); no quantization there."""
+
+    run_id: str = "prime-composer"
+    """Name of the training run, carried in every payload: a DC rejects payloads of another run."""
+
+    cluster_id: str = "dc-0"
+    """This DC's name (letters, digits, ``.``, ``_``, ``-``). Contributions are averaged in the
+    sorted order of cluster ids, so every DC computes bit-identical global weights."""
+
+    peers: list[PeerConfig] = Field(default_factory=list)
+    """The other DCs of the run. Empty: a single DC (the outer loop still runs, which is how the
+    single-DC baseline of DiLoCo is obtained)."""
+
+    host: str = "127.0.0.1"
+    """Address this DC's shardcast origin binds. Anything but loopback requires ``secret_env``."""
+
+    port: int = Field(default=7701, ge=1, le=65535)
+    """TCP port of this DC's shardcast origin (peers list it in their ``peers[].urls``)."""
+
+    data_dir: Path | None = None
+    """Directory the origin serves and downloads land in; None is ``<output_dir>/diloco``."""
+
+    sync_every: int = Field(default=50, ge=1)
+    """H: inner steps between two synchronisations of the same fragment."""
+
+    num_fragments: int = Field(default=1, ge=1)
+    """P: fragments the model is split into (consecutive parameters of about equal size); one
+    fragment is synchronised every H/P inner steps. 1 is plain DiLoCo."""
+
+    fragment_sync_delay: int = Field(default=0, ge=0)
+    """tau: inner steps the exchange of a fragment overlaps with before its result is applied
+    (0 = wait for the exchange right away). Must be below H/P."""
+
+    fragment_update_alpha: float = Field(default=0.0, ge=0, le=1)
+    """How the new global fragment is merged into the local one after the outer step:
+    ``local = alpha * local + (1 - alpha) * global``. 0 takes the global fragment (the local
+    progress of the tau overlapping steps is dropped); 0.5 is Streaming DiLoCo's mix."""
+
+    outer: OuterOptimConfig = OuterOptimConfig()
+    """The outer optimizer."""
+
+    quantization: Quantization = "int8"
+    """How pseudo-gradients travel: ``none`` (float32), ``int8`` or ``int4`` (blockwise absmax:
+    each block of ``block_size`` values is scaled by its largest magnitude and rounded to 127 or
+    7 levels a side). Every DC averages the *dequantized* contributions, its own included."""
+
+    block_size: int = Field(default=128, ge=2)
+    """Values per quantization block (one float32 scale each, 3% of an int4 payload at 128). Even,
+    for int4 packing."""
+
+    error_feedback: bool = False
+    """Add the quantization error of the previous round to this round's pseudo-gradient (per
+    fragment, kept locally and in checkpoints), so rounding errors do not accumulate."""
+
+    compression: Literal["none", "zlib"] = "zlib"
+    """Lossless compression of the quantized payload body. Quantized codes are far from uniform
+    (most are near 0), so zlib saves ~10% on int4 and more on int8 at little CPU cost."""
+
+    round_deadline_s: float = Field(default=60.0, gt=0)
+    """How long after a fragment's sync starts its peers' payloads are waited for. A DC whose
+    payload is not in by then is left out of that round (and applies the others' result)."""
+
+    min_clusters: int = Field(default=1, ge=1)
+    """Fewest DCs (this one included) whose contributions make an outer step; a round with fewer
+    leaves the global fragment as it was."""
+
+    secret_env: str | None = None
+    """Name of the environment variable holding the run's shared secret. Every payload is
+    HMAC-SHA256 signed with it and unsigned or badly signed payloads are rejected; the origin
+    requires it (bearer token) on every path but ``/health``. Required with peers."""
+
+    keep_rounds: int = Field(default=8, ge=2)
+    """Rounds of payloads each origin keeps, so a restarted DC can replay the rounds since the
+    newest global state it downloaded."""
+
+    poll_interval_s: float = Field(default=0.1, gt=0)
+    """How often a waiting DC asks its peers again for a payload that is not there yet."""
+
+    torchft: TorchftConfig = TorchftConfig()
+    """Settings of the ``torchft`` backend."""
+
+    @property
+    def steps_per_fragment(self) -> int:
+        """H/P: inner steps between two consecutive fragment syncs."""
+        return self.sync_every // self.num_fragments
+
+    @property
+    def cluster_ids(self) -> list[str]:
+        """Every DC of the run in the order contributions are averaged (sorted)."""
+        return sorted([self.cluster_id, *(p.cluster_id for p in self.peers)])
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        h, p, tau = self.sync_every, self.num_fragments, self.fragment_sync_delay
+        if h % p != 0:
+            raise ValueError(
+                f"diloco.sync_every = {h} is not divisible by diloco.num_fragments = {p}: one "
+                f"fragment syncs every sync_every / num_fragments steps; pick e.g. sync_every = "
+                f"{max(p, h - h % p)}"
+            )
+        if tau >= h // p:
+            raise ValueError(
+                f"diloco.fragment_sync_delay = {tau} must be below sync_every / num_fragments = "
+                f"{h // p}: a fragment's exchange must finish before the next fragment's starts"
+            )
+        for cid in self.cluster_ids:
+            if not _ID.match(cid):
+                raise ValueError(
+                    f"diloco cluster id {cid!r}: use 1-64 letters, digits, '.', '_' or '-' (starting "
+                    "with a letter or digit)"
+                )
+        if len(set(self.cluster_ids)) != len(self.cluster_ids):
+            raise ValueError(
+                f"diloco.cluster_id and diloco.peers[].cluster_id must all differ, got {self.cluster_ids}"
+            )
+        if self.min_clusters > len(self.cluster_ids):
+            raise ValueError(
+                f"diloco.min_clusters = {self.min_clusters} but the run has {len(self.cluster_ids)} "
+                "DC(s) (cluster_id + peers): lower it or list more peers"
+            )
+        if self.keep_rounds <= self.num_fragments:
+            raise ValueError(
+                f"diloco.keep_rounds = {self.keep_rounds} must exceed diloco.num_fragments = "
+                f"{self.num_fragments}: a restarted DC downloads the newest state of every fragment"
+            )
+        if self.block_size % 2:
+            raise ValueError(f"diloco.block_size = {self.block_size} must be even (int4 packs two per byte)")
+        if self.peers and self.secret_env is None:
+            raise ValueError(
+                "diloco.peers is set but diloco.secret_env is not: payloads cross machines and must be "
+                "signed; set diloco.secret_env to the name of an environment variable holding a shared "
+                "secret (the same value in every DC)"
+            )
+        if not is_loopback(self.host) and self.secret_env is None:
+            raise ValueError(
+                f"diloco.host = {self.host!r} is reachable from other machines: set diloco.secret_env "
+                "to the name of an environment variable holding the run's shared secret"
+            )
+        if self.backend == "torchft":
+            if self.quantization != "none":
+                raise ValueError(
+                    f'diloco.quantization = "{self.quantization}" is not available with backend = '
+                    '"torchft" (torchft\'s own quantization is FP8 through Triton and silently falls '
+                    'back to full precision without it): set diloco.quantization = "none" or use '
+                    'backend = "shardcast"'
+                )
+            if self.error_feedback:
+                raise ValueError('diloco.error_feedback needs quantization, which backend = "torchft" lacks')
+        return self

@@ -1,0 +1,414 @@
+"""Config of the ``teacher`` process: the trace-replay service (``[teacher]`` of a run).
+
+The service replays frozen agentic traces step by step, asks a pool of frozen external teacher
+LLMs what they would do at the chosen steps, and turns their agreement or disagreement with the
+trace's action into DPO pairs (``config/dpo.py`` is the loss side) and per-step process rewards.
+
+    uv run teacher @ teacher.toml
+    uv run teacher @ teacher.toml --no-serve          # replay what is in the store, then exit
+
+A minimal file::
+
+    model = { name = "builtin:tiny-qwen3" }       # the run's initial policy = the reference
+    output_dir = "outputs/run"                    # store: <output_dir>/teacher/teacher.sqlite
+    [traces]
+    files = ["traces/train.jsonl"]
+    [budget]
+    per_trace_usd = 0.30
+    per_run_usd = 50.0
+    [[pool]]
+    name = "teacher-a"
+    base_url = "https://api.example/v1"
+    model = "teacher-a-large"
+    api_key_env = "TEACHER_A_KEY"
+    input_usd_per_m = 3.0
+    output_usd_per_m = 15.0
+
+API keys are never in a config: ``api_key_env`` names the environment variable that holds one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Self
+
+from pydantic import Field, model_validator
+
+from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, ModelConfig
+from prime_composer.config.client import RetryConfig
+
+DEFAULT_INSTRUCTIONS = (
+    "You are an expert software engineer acting as a coding agent. You are shown the task and the "
+    "agent's work so far (its actions and the tool results). Decide the single best next action. "
+    'Reply with exactly one JSON object and nothing else: {"tool": "<tool name>", "arguments": '
+    '{...}} to call a tool, or {"message": "<text>"} to answer the user.'
+)
+
+
+class TeacherEndpointConfig(BaseConfig):
+    """One frozen teacher LLM behind an OpenAI-compatible ``/chat/completions`` endpoint."""
+
+    name: str | None = None
+    """Identity in the ledger, the response cache and the pairs' provenance; ``None`` uses ``model``.
+    Names must be unique within the pool."""
+
+    base_url: str
+    """Endpoint up to ``/v1`` (e.g. ``https://api.example/v1`` or ``http://127.0.0.1:8001/v1``)."""
+
+    model: str
+    """Model name sent in each request."""
+
+    api_key_env: str | None = None
+    """Environment variable holding the API key (sent as a bearer token); None sends no key. The
+    key itself never appears in configs, logs or the store."""
+
+    input_usd_per_m: float = Field(default=0.0, ge=0.0)
+    """Price in US dollars per million input (prompt) tokens."""
+
+    output_usd_per_m: float = Field(default=0.0, ge=0.0)
+    """Price in US dollars per million output (completion) tokens."""
+
+    max_concurrency: int = Field(default=4, ge=1)
+    """Requests to this teacher in flight at once."""
+
+    retry: RetryConfig = RetryConfig()
+    """Time limit per attempt (``retry.timeout_s``) and bounded retries with backoff on 429, 5xx,
+    timeouts and connection errors. A call that still fails is a ledger row, never a crash."""
+
+    max_tokens: int = Field(default=512, ge=1)
+    """Longest answer; also the output side of the worst-case cost reserved before each call."""
+
+    temperature: float = Field(default=0.0, ge=0.0)
+    """Sampling temperature (0 = greedy: the same state gets the same answer, which the response
+    cache relies on to make a re-run free)."""
+
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    """Extra request fields (e.g. ``{"seed": 0}``, ``{"reasoning_effort": "low"}``); part of the
+    cache key."""
+
+    @property
+    def id(self) -> str:
+        """The name used everywhere (``name``, else ``model``)."""
+        return self.name or self.model
+
+
+class TraceSourceConfig(BaseConfig):
+    """Where traces come from (besides ``POST /v1/traces`` from the run's own rollouts)."""
+
+    files: list[Path] = Field(default_factory=list)
+    """JSONL trace files in the service's schema (``prime_composer.teacher.traces``), imported at
+    start; a bad line is rejected with a message naming the file and line, the others still load.
+    Re-importing a file adds nothing twice."""
+
+    verifiers_files: list[Path] = Field(default_factory=list)
+    """verifiers ``traces.jsonl`` files (one rollout episode per line), imported at start."""
+
+    max_line_bytes: int = Field(default=4_000_000, ge=1024)
+    """A JSONL line longer than this is rejected (a poisoned or runaway trace)."""
+
+    max_turns: int = Field(default=500, ge=1)
+    """A trace with more turns than this is rejected."""
+
+    max_turn_chars: int = Field(default=200_000, ge=1)
+    """A trace with a turn whose content is longer than this is rejected."""
+
+
+class GateConfig(BaseConfig):
+    """The value-of-information gate: which steps of a trace are worth paying teachers for.
+
+    A step's score, in [0, 1], is the evidence that it is a mistake times what is at stake:
+
+        score = (1 - (1 - weight_uncertainty * u) * (1 - weight_error * e)) * stakes * novelty
+
+    with ``u`` the student's uncertainty on its action (from the trace's logprobs), ``e`` its
+    proximity to an error (non-zero exits, failing tests, reverted edits, and the steps around
+    them), ``stakes = impact_floor + (1 - impact_floor) * impact`` (edits and commands over reads)
+    and ``novelty`` 1 for a state never evaluated before, else ``seen_state_factor``. Either
+    signal alone can make a step suspicious (a noisy-or), a read costs little to get wrong, and a
+    state already labeled adds nothing. The gate keeps the ``max_steps_per_trace`` steps with the
+    best score per expected dollar among those scoring at least ``min_score``.
+    """
+
+    enabled: bool = True
+    """Off: every assistant step of every trace is asked (the ungated baseline)."""
+
+    max_steps_per_trace: int = Field(default=4, ge=1)
+    """B: steps asked per trace at most."""
+
+    min_score: float = Field(default=0.15, ge=0.0, le=1.0)
+    """Steps scoring below this are never asked."""
+
+    weight_uncertainty: float = Field(default=1.0, ge=0.0, le=1.0)
+    """How much the student's uncertainty ``u = 1 - exp(mean logprob of the action tokens)`` alone
+    says about a mistake."""
+
+    weight_error: float = Field(default=0.8, ge=0.0, le=1.0)
+    """How much the proximity to an error alone says about a mistake."""
+
+    impact_floor: float = Field(default=0.25, ge=0.0, le=1.0)
+    """Stakes of an action of impact 0 (``stakes = floor + (1 - floor) * impact``)."""
+
+    seen_state_factor: float = Field(default=0.2, ge=0.0, le=1.0)
+    """Novelty of a state that was evaluated before (its answers are cached, its pair known)."""
+
+    default_uncertainty: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Uncertainty of a step whose trace carries no logprobs for its action."""
+
+    impact_edit: float = Field(default=1.0, ge=0.0, le=1.0)
+    """Impact of a call to one of ``edit_tools``."""
+
+    impact_command: float = Field(default=0.8, ge=0.0, le=1.0)
+    """Impact of a shell command that is not read-only, or of a tool in neither list."""
+
+    impact_read: float = Field(default=0.1, ge=0.0, le=1.0)
+    """Impact of a call to one of ``read_tools`` or of a read-only shell command."""
+
+    impact_message: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Impact of a plain message (no tool call)."""
+
+    edit_tools: list[str] = Field(
+        default_factory=lambda: [
+            "edit",
+            "write",
+            "write_file",
+            "str_replace",
+            "apply_patch",
+            "create",
+            "insert",
+        ]
+    )
+    """Tool names that change files."""
+
+    read_tools: list[str] = Field(
+        default_factory=lambda: ["read", "read_file", "view", "cat", "ls", "list", "grep", "search", "find"]
+    )
+    """Tool names that only read."""
+
+    read_commands: list[str] = Field(
+        default_factory=lambda: [
+            "cat", "ls", "grep", "rg", "find", "head", "tail", "wc", "pwd", "echo", "tree", "which", "file",
+        ]
+    )  # fmt: skip
+    """First words of shell commands that only read (``git status/diff/log/show`` count too)."""
+
+    error_patterns: list[str] = Field(
+        default_factory=lambda: [
+            r"Traceback \(most recent call last\)",
+            r"\bFAILED\b",
+            r"\b\d+ failed\b",
+            r"(?m)^\w*Error: ",
+            r"\bcommand not found\b",
+            r"(?i)exit (code|status):? *[1-9]",
+        ]
+    )
+    """Regular expressions that mark a tool result as an error (besides a non-zero ``exit_code``)."""
+
+    error_window: int = Field(default=2, ge=0)
+    """Steps before an error (the mistake usually comes a step or two before the test run that
+    exposes it) and after one (how the agent reacts to a failure) that count as close to it, with
+    proximity ``1 - distance / (error_window + 1)``."""
+
+    cascade: bool = True
+    """Ask the cheapest teacher first and the others only when it disagrees with the trace, fails,
+    or the step's uncertainty is at least ``escalate_uncertainty``. Off: all teachers at once."""
+
+    escalate_uncertainty: float = Field(default=0.7, ge=0.0, le=1.0)
+    """Uncertainty at which the cascade asks every teacher even when the cheapest agrees."""
+
+    escalation_prior: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Assumed probability that the cascade escalates, for the expected cost of a step."""
+
+    expected_output_tokens: int = Field(default=96, ge=1)
+    """Answer length assumed for the expected cost of a call (the budget reserves ``max_tokens``)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.weight_uncertainty == 0 and self.weight_error == 0:
+            raise ValueError(
+                "teacher.gate: weight_uncertainty and weight_error are both 0, so every score is 0; "
+                "make one positive, or turn the gate off (gate.enabled = false)"
+            )
+        return self
+
+
+class BudgetConfig(BaseConfig):
+    """Hard caps on teacher spend, enforced before each call (worst-case cost reserved, then
+    settled to the real cost): concurrent calls can never overshoot them together."""
+
+    per_trace_usd: float | None = Field(default=0.30, ge=0.0)
+    """Dollars per trace at most; None = no cap."""
+
+    per_run_usd: float | None = Field(default=None, ge=0.0)
+    """Dollars for the whole run (every trace, every restart: the ledger is the record) at most;
+    None = no cap."""
+
+    prompt_overhead_tokens: int = Field(default=64, ge=0)
+    """Tokens the endpoint's chat template may add to a prompt beyond its text (role markup,
+    default system text), counted into the worst-case input of a call. The text itself is bounded
+    by its UTF-8 bytes (a byte-level tokenizer spends at most one token per byte)."""
+
+
+class OnPolicyConfig(BaseConfig):
+    """Chosen sides sampled from the student itself (Step-DPO found self-generated chosen steps
+    better than teacher-written ones): at a pair's state the student is sampled ``num_samples``
+    times and a sample that matches the teacher majority becomes the chosen side."""
+
+    enabled: bool = False
+    """Sample the student at each pair's state."""
+
+    base_url: str | None = None
+    """The student's OpenAI-compatible endpoint up to ``/v1`` (the run's inference server); required
+    when enabled."""
+
+    model: str | None = None
+    """Model name of the student requests; required when enabled."""
+
+    api_key_env: str | None = None
+    """Environment variable with the student endpoint's key, if it needs one."""
+
+    num_samples: int = Field(default=4, ge=1)
+    """Samples drawn at each pair's state (one request with ``n``)."""
+
+    temperature: float = Field(default=1.0, ge=0.0)
+    """Sampling temperature of the student samples."""
+
+    max_tokens: int = Field(default=256, ge=1)
+    """Longest student sample."""
+
+    require_match: bool = False
+    """Drop the pair when no student sample matches the majority (instead of using the teacher's
+    action, rendered in the student's format, as the chosen side)."""
+
+    retry: RetryConfig = RetryConfig()
+    """Time limit and retries of the student requests."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.enabled and (self.base_url is None or self.model is None):
+            raise ValueError(
+                "teacher.pairs.on_policy.enabled needs teacher.pairs.on_policy.base_url and .model "
+                "(the run's inference server, e.g. base_url = 'http://127.0.0.1:8000/v1')"
+            )
+        return self
+
+
+class PairConfig(BaseConfig):
+    """How teacher votes become labels: DPO pairs, confirmations and process rewards.
+
+    Teachers' actions are canonicalized (tool name + normalized arguments, commands, code) and
+    clustered; a step becomes a pair when a cluster other than the trace's action holds a vote
+    share of at least ``kappa`` and beats the trace's own share by at least ``delta``; it is
+    confirmed when the trace's action holds at least ``kappa``. Shares are over the teachers that
+    answered with a valid action.
+    """
+
+    kappa: float = Field(default=0.6, gt=0.0, le=1.0)
+    """Vote share the majority needs (for a pair or a confirmation)."""
+
+    delta: float = Field(default=0.34, ge=0.0, le=1.0)
+    """Margin by which the majority's share must exceed the trace action's share for a pair."""
+
+    min_votes: int = Field(default=2, ge=1)
+    """Valid answers a pair needs at least (a confirmation needs one)."""
+
+    max_label_smoothing: float = Field(default=0.4, ge=0.0, lt=0.5)
+    """Cap on a pair's label smoothing ``1 - share`` (robust DPO needs it below 0.5)."""
+
+    max_pair_tokens: int = Field(default=4096, ge=8)
+    """Context plus the longer side, in student tokens; a longer pair is recorded as too long and
+    not trained on."""
+
+    on_policy: OnPolicyConfig = OnPolicyConfig()
+    """Take the chosen side from the student's own samples when one matches the majority."""
+
+
+class ReferenceConfig(BaseConfig):
+    """Reference logprobs of both sides of every pair, computed once in the service with the
+    reference weights (the run's initial policy, ``model``) and stored with the pair."""
+
+    device: str = "cpu"
+    """Device of the reference forward (``cpu`` keeps the GPUs for training)."""
+
+    num_threads: int = Field(default=1, ge=1)
+    """torch threads of the reference forward on a CPU."""
+
+    batch_size: int = Field(default=8, ge=1)
+    """Sequences per reference forward (a pair is two). The dtype is ``model.dtype`` (``auto``:
+    float32 on a CPU, bfloat16 on a GPU)."""
+
+
+class TeacherServiceConfig(BaseConfig):
+    """The trace-replay teacher service."""
+
+    model: ModelConfig = ModelConfig()
+    """Shared: the run's initial policy. Its tokenizer renders the pairs' token ids and its weights
+    compute the reference logprobs."""
+
+    output_dir: Path = DEFAULT_OUTPUT_DIR
+    """Shared run directory; the store is ``<output_dir>/teacher/teacher.sqlite``."""
+
+    seed: int = 0
+    """Shared seed (tie-breaks are deterministic; it seeds the student samples)."""
+
+    host: str = "127.0.0.1"
+    """Address the HTTP routes bind. Anything but loopback requires ``secret_env``."""
+
+    port: int = Field(default=8100, ge=0, le=65535)
+    """TCP port of the HTTP routes (0 = a free port, logged at start)."""
+
+    secret_env: str | None = None
+    """Environment variable holding the shared secret every route but ``/health`` requires as
+    ``Authorization: Bearer <secret>``."""
+
+    serve: bool = True
+    """Keep running: serve the routes, replay traces as they arrive. Off (``--no-serve``): import
+    the configured files, replay everything pending, compute reference logprobs, and exit."""
+
+    poll_s: float = Field(default=2.0, gt=0.0)
+    """How often a serving process looks for new work when idle."""
+
+    max_concurrent_steps: int = Field(default=16, ge=1)
+    """Steps being labeled at once (each may have several teacher calls in flight)."""
+
+    instructions: str = DEFAULT_INSTRUCTIONS
+    """System message of every teacher request (part of the cache key)."""
+
+    traces: TraceSourceConfig = TraceSourceConfig()
+    """Trace files imported at start."""
+
+    pool: list[TeacherEndpointConfig] = Field(default_factory=list)
+    """The teachers (``[[teacher.pool]]``); at least one."""
+
+    gate: GateConfig = GateConfig()
+    """Which steps are asked, and the cascade."""
+
+    budget: BudgetConfig = BudgetConfig()
+    """Spend caps."""
+
+    pairs: PairConfig = PairConfig()
+    """How votes become pairs and process rewards."""
+
+    reference: ReferenceConfig = ReferenceConfig()
+    """The reference forward."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if not self.pool:
+            raise ValueError(
+                "teacher.pool is empty: add at least one [[pool]] table with base_url and model "
+                "(e.g. an OpenAI-compatible API or `uv run inference` on another port)"
+            )
+        seen: set[str] = set()
+        for i, endpoint in enumerate(self.pool):
+            if endpoint.id in seen:
+                raise ValueError(
+                    f"teacher.pool[{i}]: the name {endpoint.id!r} is used twice; give each teacher its own "
+                    "`name` (it keys the ledger and the response cache)"
+                )
+            seen.add(endpoint.id)
+        return self
+
+    @property
+    def store_path(self) -> Path:
+        """The SQLite file of the trace store, response cache, cost ledger and pair store."""
+        return Path(self.output_dir) / "teacher" / "teacher.sqlite"

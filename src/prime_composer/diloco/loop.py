@@ -1,0 +1,374 @@
+"""The Streaming DiLoCo outer loop, called by the trainer after every inner step.
+
+Usage (what the trainer does; the loss code never knows)::
+
+    outer = OuterLoop(cfg.diloco, model, work_dir=output_dir / "diloco")
+    for step in ...:
+        ...optimizer.step() (or skip a non-finite update)...
+        if outer.after_inner_step(step, num_tokens, skipped=not finite):
+            publish(step + 1)                 # the weights changed: inference must get them
+    outer.close()
+
+State per fragment ``f`` (flat float32 CPU vectors): the global weights ``theta_f`` every DC
+agrees on, the outer momentum, and with error feedback the quantization residual. When a sync
+of fragment ``f`` starts (``schedule.py``) the pseudo-gradient ``theta_f - local_f`` is quantized
+and published, and the exchange (``exchange.py``) runs on a background thread while the trainer
+takes ``tau`` more inner steps; then the agreed outer step gives the new ``theta_f`` and the local
+fragment becomes ``alpha * local + (1 - alpha) * theta_f``. The contribution's weight is the
+number of tokens this DC trained on since that fragment's previous sync.
+
+A DC that starts after the others (a restart, a new machine) or falls out of step first catches
+up: it downloads the newest agreed state of every fragment from the DCs that committed it, takes
+the global weights as its local ones, and joins the next round.
+
+``state_dict`` / ``save`` hold everything needed to resume exactly, including the own payload of
+a sync still in flight (it is re-run on resume).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from prime_composer.checkpoint_layout import marker_path, step_dir
+from prime_composer.config.diloco import DilocoConfig
+from prime_composer.diloco.exchange import Exchange, RoundResult, Store
+from prime_composer.diloco.fragments import Fragment, split_fragments
+from prime_composer.diloco.payload import encode, grad_body, tensor_digest
+from prime_composer.diloco.quantize import dequantize, quantize
+from prime_composer.diloco.schedule import FragmentSchedule
+from prime_composer.integrity import verify_manifest, write_manifest
+from prime_composer.io import atomic_write_text
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PART = "diloco"
+_STATE_FILE = "state.safetensors"
+_META_FILE = "meta.json"
+
+
+def read_secret(cfg: DilocoConfig) -> bytes | None:
+    """The shared secret from ``cfg.secret_env`` (``ValueError`` naming the variable if unset)."""
+    if cfg.secret_env is None:
+        return None
+    value = os.environ.get(cfg.secret_env)
+    if not value:
+        raise ValueError(
+            f"diloco.secret_env = {cfg.secret_env!r}, but that environment variable is unset or empty: "
+            f"export {cfg.secret_env}=<the run's shared secret> (the same value in every DC)"
+        )
+    return value.encode()
+
+
+def make_store(cfg: DilocoConfig, work_dir: Path, secret: bytes | None) -> Store | None:
+    """The shardcast store of this DC, or None for a run without peers."""
+    if not cfg.peers:
+        return None
+    from prime_composer.diloco.shardcast_store import ShardcastStore
+
+    return ShardcastStore(
+        work_dir,
+        cfg.host,
+        cfg.port,
+        {p.cluster_id: p.urls for p in cfg.peers},
+        secret.decode() if secret else None,
+        cfg.keep_rounds,
+        cfg.poll_interval_s,
+    )
+
+
+def build_outer_loop(
+    cfg: DilocoConfig, model: nn.Module, optimizer: torch.optim.Optimizer, work_dir: Path
+) -> Any:
+    """The outer loop of ``cfg.backend``: ``OuterLoop`` (shardcast) or ``TorchftOuterLoop``.
+
+    Both have ``after_inner_step``, ``state_dict``/``load_state_dict``, ``global_digest`` and
+    ``close``; torchft hooks ``optimizer`` itself, the shardcast loop does not need it."""
+    if cfg.backend == "torchft":
+        from prime_composer.diloco.torchft_backend import TorchftOuterLoop
+
+        return TorchftOuterLoop(cfg, model, optimizer)
+    return OuterLoop(cfg, model, work_dir)
+
+
+class OuterLoop:
+    """See the module docstring. ``store`` overrides the shardcast store (tests)."""
+
+    def __init__(
+        self,
+        cfg: DilocoConfig,
+        model: nn.Module,
+        work_dir: Path,
+        store: Store | None = None,
+        catch_up: bool = True,
+    ) -> None:
+        if cfg.backend != "shardcast":
+            raise ValueError('OuterLoop runs backend = "shardcast"; use diloco.torchft_backend for torchft')
+        if any(hasattr(p, "to_local") for p in model.parameters()):
+            raise ValueError(
+                'diloco with backend = "shardcast" runs on a DC with one trainer rank for now (its '
+                "fragments are whole tensors; FSDP shards are not gathered yet): set trainer.num_ranks = 1 "
+                'or use backend = "torchft"'
+            )
+        self.cfg = cfg
+        self.work_dir = Path(work_dir)
+        self.fragments: list[Fragment] = split_fragments(model, cfg.num_fragments)
+        self.schedule = FragmentSchedule(cfg.sync_every, cfg.num_fragments, cfg.fragment_sync_delay)
+        secret = read_secret(cfg)
+        self.store = store if store is not None else make_store(cfg, self.work_dir, secret)
+        self.exchange = Exchange(cfg, self.store, secret, [f.layout_digest() for f in self.fragments])
+        self.theta = [f.read() for f in self.fragments]
+        self.momentum = [torch.zeros_like(t) for t in self.theta]
+        self.residual: list[torch.Tensor] | None = (
+            [torch.zeros_like(t) for t in self.theta] if cfg.error_feedback else None
+        )
+        self.num_updates = 0
+        self.tokens = [0] * len(self.fragments)
+        self.candidates = list(cfg.cluster_ids)
+        self.last_metrics: dict[str, float] = {}
+        self.last_result: RoundResult | None = None
+        """The newest round this DC applied (its members, committer, new global fragment)."""
+        self._pending: tuple[int, bytes] | None = None
+        self._future: Future[RoundResult] | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-exchange")
+        self._lock = threading.Lock()
+        if catch_up:
+            up = self.exchange.wait_for_peers(cfg.round_deadline_s)
+            if len(up) < len(self.exchange.peers):
+                logger.warning(
+                    "diloco: peers %s do not answer yet", sorted(set(self.exchange.peers) - set(up))
+                )
+            self.catch_up()
+
+    # ---------------------------------------------------------------------------- the hook
+
+    def after_inner_step(self, step: int, num_tokens: int, skipped: bool) -> bool:
+        """Account for one inner step; start or apply a sync when the schedule says so.
+
+        Returns True when the local weights changed (the trainer must republish them). A skipped
+        update does not move the schedule.
+        """
+        if skipped:
+            return False
+        self.num_updates += 1
+        self.tokens = [t + num_tokens for t in self.tokens]
+        changed = False
+        start = self.schedule.starts_after(self.num_updates)
+        if start is not None:
+            self._start(start)
+        if self.schedule.applies_after(self.num_updates) is not None:
+            changed = self._apply()
+        return changed
+
+    def _start(self, round_: int) -> None:
+        assert self._future is None, "one exchange at a time (tau < H/P)"
+        f = self.schedule.fragment(round_)
+        delta = self.theta[f] - self.fragments[f].read()
+        num_tokens = self.tokens[f]
+        if not bool(torch.isfinite(delta).all()):
+            # Non-finite local weights must not reach the global model: contribute nothing.
+            logger.warning(
+                "diloco: fragment %d has non-finite local weights; round %d sends zeros", f, round_
+            )
+            delta, num_tokens = torch.zeros_like(delta), 0
+        if self.residual is not None:
+            delta += self.residual[f]
+        q = quantize(delta, self.cfg.quantization, self.cfg.block_size)
+        if self.residual is not None:
+            self.residual[f] = delta - dequantize(q)
+        fields, body = grad_body(q, self.cfg.compression)
+        header = self.exchange.header(
+            "grad", round_, f, num_tokens=num_tokens, base_digest=tensor_digest(self.theta[f]), **fields
+        )
+        payload = encode(header, body, self.exchange.secret)
+        self.tokens[f] = 0
+        self._pending = (round_, payload)
+        self._launch()
+
+    def _launch(self) -> None:
+        assert self._pending is not None
+        round_, payload = self._pending
+        f = self.schedule.fragment(round_)
+        self._future = self._pool.submit(
+            self.exchange.run_round,
+            round_,
+            f,
+            payload,
+            self.theta[f],
+            self.momentum[f],
+            list(self.candidates),
+        )
+
+    def _apply(self) -> bool:
+        assert self._future is not None and self._pending is not None
+        result = self._future.result()
+        self._future, self._pending = None, None
+        self.last_result = result
+        self.last_metrics = dict(result.metrics) | {"diloco/round": float(result.round)}
+        if result.status != "applied":
+            logger.warning("diloco: round %d %s; catching up from the peers", result.round, result.status)
+            self.catch_up(force=True)
+            return True
+        assert result.theta is not None and result.momentum is not None
+        f = result.fragment
+        self.theta[f], self.momentum[f] = result.theta, result.momentum
+        self.candidates = result.candidates
+        if result.members:
+            self.fragments[f].merge(self.theta[f], self.cfg.fragment_update_alpha)
+        logger.info(
+            "diloco: round %d (fragment %d) members %s committed by %s",
+            result.round,
+            f,
+            result.members,
+            result.committer,
+        )
+        return bool(result.members)
+
+    # --------------------------------------------------------------------------- catch up
+
+    def catch_up(self, force: bool = False) -> bool:
+        """Adopt the peers' newest agreed state if it is ahead of ours (or ``force``); returns
+        whether it did. The local model becomes the global one and the schedule moves to the
+        round after the newest commit."""
+        changed = False
+        for _ in range(3):  # commits may land while we download; go again until we are current
+            latest = self.exchange.latest_commit()
+            if latest is None:
+                return changed
+            newest, _ = latest
+            next_round = self._next_round()
+            if newest < next_round and not force:
+                return changed
+            force = False
+            states = []
+            for r in range(max(0, newest - self.cfg.num_fragments + 1), newest + 1):
+                f = self.schedule.fragment(r)
+                got = self.exchange.fetch_state(r, f, self.fragments[f].numel)
+                if got is None:
+                    raise RuntimeError(
+                        f"diloco: cannot download the global state of round {r} from any peer; this DC "
+                        "cannot rejoin (are the peers up, and is keep_rounds large enough?)"
+                    )
+                states.append((r, f, *got))
+            for r, f, commit, theta, momentum in states:
+                self.theta[f], self.momentum[f] = theta, momentum
+                if r == newest:
+                    self.candidates = [str(c) for c in commit["next_candidates"]]
+            for f, fragment in enumerate(self.fragments):
+                fragment.write(self.theta[f])
+                if self.residual is not None:
+                    self.residual[f].zero_()
+            self.tokens = [0] * len(self.fragments)
+            self.num_updates = self.schedule.start_of(newest) + self.cfg.fragment_sync_delay
+            changed = True
+            logger.info("diloco: caught up to round %d from the peers", newest)
+        return changed
+
+    def _next_round(self) -> int:
+        """The next round this DC would start (the pending one if a sync is in flight)."""
+        if self._pending is not None:
+            return self._pending[0]
+        return self.num_updates // self.schedule.steps_per_fragment
+
+    # --------------------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain values (DCP- and safetensors-friendly) that resume this loop."""
+        state: dict[str, Any] = {
+            "num_updates": self.num_updates,
+            "tokens": list(self.tokens),
+            "candidates": list(self.candidates),
+            "pending_round": -1 if self._pending is None else self._pending[0],
+        }
+        for f in range(len(self.fragments)):
+            state[f"theta.{f}"] = self.theta[f]
+            state[f"momentum.{f}"] = self.momentum[f]
+            if self.residual is not None:
+                state[f"residual.{f}"] = self.residual[f]
+        if self._pending is not None:
+            state["pending_payload"] = torch.frombuffer(bytearray(self._pending[1]), dtype=torch.uint8)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` (call it after the model's weights are restored).
+
+        If the peers went on meanwhile this DC catches up (the model takes the global weights);
+        otherwise a sync that was in flight is run again with the same payload.
+        """
+        self._drain()
+        self.num_updates = int(state["num_updates"])
+        self.tokens = [int(t) for t in state["tokens"]]
+        self.candidates = [str(c) for c in state["candidates"]]
+        for f in range(len(self.fragments)):
+            self.theta[f] = state[f"theta.{f}"].clone()
+            self.momentum[f] = state[f"momentum.{f}"].clone()
+            if self.residual is not None:
+                self.residual[f] = state[f"residual.{f}"].clone()
+        if int(state["pending_round"]) >= 0:
+            self._pending = (int(state["pending_round"]), state["pending_payload"].numpy().tobytes())
+        if self.catch_up():
+            self._pending = None
+        elif self._pending is not None:
+            self._launch()
+
+    def save(self, root: Path, step: int) -> Path:
+        """Write the ``diloco`` part of checkpoint ``step`` under ``root`` (tmp dir, manifest,
+        rename, then the ``diloco.STABLE`` marker)."""
+        state = self.state_dict()
+        tensors = {k: v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
+        meta = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+        final = step_dir(root, step) / CHECKPOINT_PART
+        tmp = step_dir(root, step) / f".{CHECKPOINT_PART}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / _STATE_FILE))
+        atomic_write_text(tmp / _META_FILE, json.dumps({"step": step, **meta}, indent=1) + "\n")
+        write_manifest(tmp)
+        marker = marker_path(root, step, CHECKPOINT_PART)
+        marker.unlink(missing_ok=True)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        atomic_write_text(marker, json.dumps({"step": step, "part": CHECKPOINT_PART}) + "\n")
+        return final
+
+    def load(self, root: Path, step: int) -> None:
+        """Restore the ``diloco`` part of checkpoint ``step``, verified against its manifest (see
+        ``load_state_dict``)."""
+        directory = step_dir(root, step) / CHECKPOINT_PART
+        verify_manifest(directory)
+        meta = json.loads((directory / _META_FILE).read_text())
+        self.load_state_dict(meta | load_file(str(directory / _STATE_FILE)))
+
+    def global_digest(self) -> str:
+        """SHA-256 over every fragment's global weights (equal in every DC after a round)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for t in self.theta:
+            h.update(t.numpy().tobytes())
+        return h.hexdigest()
+
+    def _drain(self) -> None:
+        if self._future is not None:
+            self._future.result()
+            self._future, self._pending = None, None
+
+    def close(self) -> None:
+        """Wait for an exchange in flight, stop the origin."""
+        try:
+            if self._future is not None:
+                self._future.result()
+        finally:
+            self._pool.shutdown(wait=True)
+            if self.store is not None:
+                self.store.close()

@@ -1,0 +1,112 @@
+"""Checks before any process starts: mistakes that would otherwise surface minutes later.
+
+Without these, a run with a missing model directory, a misspelled environment id, a secret
+variable nobody exported or a port already taken starts the inference server, loads a model,
+and only then dies with a traceback (and a resume hint that cannot help). Each check here reads
+the config and the machine, imports nothing heavy, and every problem found becomes one line of
+one ``ConfigError`` (the launcher exits 2).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+
+from prime_composer.config.errors import ConfigError
+from prime_composer.config.rl import RLConfig
+from prime_composer.netaddr import is_loopback
+from prime_composer.orchestrator.env_ids import DEFAULT_ENV_DIRS, environment_exists
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def preflight(config: RLConfig) -> None:
+    """Raise ``ConfigError`` listing every problem that would stop the run after launch."""
+    problems = [
+        *_secret_problems(config),
+        *_model_problems(config),
+        *_environment_problems(config),
+        *_port_problems(config),
+    ]
+    if config.warmup.enabled and config.warmup.data is not None and not config.warmup.data.is_file():
+        problems.append(f"warmup.data = '{config.warmup.data}': no such file")
+    if problems:
+        raise ConfigError("cannot start the run:\n  " + "\n  ".join(problems))
+
+
+def _secret_problems(config: RLConfig) -> list[str]:
+    problems = []
+    named = {
+        "inference.secret_env": config.inference.secret_env,
+        "transport.secret_env": config.transport.secret_env,
+        "orchestrator.sdpo.llm.api_key_env": config.orchestrator.sdpo.llm.api_key_env
+        if "llm" in config.orchestrator.sdpo.sources and config.orchestrator.sdpo.enabled
+        else None,
+    }
+    if config.teacher is not None:
+        named["teacher.secret_env"] = config.teacher.secret_env
+        for i, endpoint in enumerate(config.teacher.pool):
+            named[f"teacher.pool[{i}].api_key_env"] = endpoint.api_key_env
+    for key, variable in named.items():
+        if variable is not None and not os.environ.get(variable):
+            problems.append(f"{key} = {variable!r}, but that environment variable is not set (export it)")
+    if not is_loopback(config.inference.host) and config.inference.secret_env is None:
+        problems.append(
+            f"inference.host = {config.inference.host!r} is reachable from other machines: set "
+            "inference.secret_env to the name of a variable holding a shared secret"
+        )
+    return problems
+
+
+def _model_problems(config: RLConfig) -> list[str]:
+    name = config.model.name
+    if name.startswith("builtin:"):
+        return []
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            return [f"model.name = '{name}' is a file; give the model's directory"]
+        if config.model.gguf_file is None and not (path / "config.json").is_file():
+            return [f"model.name = '{name}' has no config.json: not a Hugging Face model directory"]
+        if config.model.gguf_file is not None and not (path / config.model.gguf_file).is_file():
+            return [f"model.gguf_file = '{config.model.gguf_file}' is not in {path}"]
+        return []
+    looks_local = name.startswith(("/", "./", "../", "~")) or name.count("/") != 1 or not _HUB_ID.match(name)
+    if looks_local:
+        return [f"model.name = '{name}': no such directory (and not a hub id like 'Qwen/Qwen3-8B')"]
+    return []  # a hub id: transformers resolves it (from its cache when offline)
+
+
+def _environment_problems(config: RLConfig) -> list[str]:
+    if not config.orchestrator.env:
+        return ["orchestrator.env is empty: add at least one [[orchestrator.env]] with an id"]
+    where = ", ".join(str(Path(d).resolve()) for d in DEFAULT_ENV_DIRS)
+    return [
+        f"orchestrator.env[{i}].id = {entry.id!r}: no such environment (looked for a folder in {where}, "
+        "then an installed package; local folders are found relative to the working directory)"
+        for i, entry in enumerate(config.orchestrator.env)
+        if not environment_exists(entry.id)
+    ]
+
+
+def _port_problems(config: RLConfig) -> list[str]:
+    wanted = [("inference.port", config.inference.host, config.inference.port)]
+    if config.teacher is not None:
+        wanted.append(("teacher.port", config.teacher.host, config.teacher.port))
+    if config.transport.kind == "zmq":
+        wanted.append(("transport.port", config.transport.host, config.transport.port))
+    problems = []
+    for key, host, port in wanted:
+        bind_host = "127.0.0.1" if host in ("", "localhost") else host
+        with socket.socket(
+            socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_STREAM
+        ) as sock:
+            try:
+                sock.bind((bind_host, port))
+            except OSError as e:
+                problems.append(
+                    f"{key} = {port}: cannot listen on {bind_host}:{port} ({e.strerror}); free it or pick another"
+                )
+    return problems

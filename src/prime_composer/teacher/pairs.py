@@ -1,0 +1,161 @@
+"""The read side of the pair store: what the orchestrator's pair source takes into batches.
+
+    store = PairStore(Path(output_dir) / "teacher" / "teacher.sqlite")
+    pairs = store.take(64, after_cursor=cursor)     # ready pairs, oldest first
+    cursor = pairs[-1].cursor if pairs else cursor  # checkpoint this integer to resume
+
+A pair is *ready* once its token ids and reference logprobs are stored; ready pairs get cursors
+1, 2, 3, ... in the order they became ready and never change afterwards, so ``after_cursor`` is a
+complete resume position (like the orchestrator's data counters). The reader opens the SQLite
+file in WAL mode next to the writing service and never blocks it; before the service has created
+the file, ``take`` returns nothing. Only the standard library is imported here.
+
+Token layout of a pair, for the trainer's DPO term: the chosen sequence is
+``context_ids + chosen_ids``, the rejected one ``context_ids + rejected_ids``; the loss tokens are
+``chosen_ids`` and ``rejected_ids`` (each ends with the end-of-turn token), and
+``ref_chosen_logprobs[i]`` is the reference model's log-probability (temperature 1) of
+``chosen_ids[i]`` given everything before it (same for rejected). Their sums are the sequence
+reference logprobs of ``trainer/losses/dpo.py``; their lengths its token counts.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One step-level preference pair, as the trainer will receive it."""
+
+    cursor: int
+    """Position in the ready order (1, 2, ...): resume with ``take(n, after_cursor=cursor)``."""
+    trace_id: str
+    turn_index: int
+    """Index of the step's assistant turn in the trace."""
+    state_hash: str
+    context_ids: list[int]
+    """The state, in the student's tokens (its chat template, generation prompt included)."""
+    chosen_ids: list[int]
+    """The action the teacher majority chose (or the student's own sample of it), end token included."""
+    rejected_ids: list[int]
+    """The trace's action."""
+    ref_chosen_logprobs: list[float]
+    """Reference logprob of each ``chosen_ids`` token (initial policy, temperature 1)."""
+    ref_rejected_logprobs: list[float]
+    label_smoothing: float
+    """``1 - vote share`` of the majority, capped (``teacher.pairs.max_label_smoothing``)."""
+    vote_share: float
+    """Share of the valid teacher votes that went to the chosen action."""
+    margin: float
+    """Chosen share minus the trace action's share."""
+    process_reward: float
+    """The step's process reward (trace action's share minus the majority's), in [-1, 1]."""
+    chosen_source: str
+    """``teacher`` (the majority's action rendered in the student's format) or ``student`` (one of
+    the student's own samples at this state that matched the majority)."""
+    chosen_text: str
+    rejected_text: str
+    reference_model: str
+    provenance: dict[str, Any]
+    """Teachers asked, their votes by cluster, the cost of the step's calls."""
+
+    @property
+    def ref_chosen_logp(self) -> float:
+        return sum(self.ref_chosen_logprobs)
+
+    @property
+    def ref_rejected_logp(self) -> float:
+        return sum(self.ref_rejected_logprobs)
+
+
+class PairStore:
+    """Read ready pairs from the service's store (any process, any time)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._conn: sqlite3.Connection | None = None
+
+    def _connection(self) -> sqlite3.Connection | None:
+        if self._conn is None and self.path.exists():
+            self._conn = sqlite3.connect(
+                self.path, timeout=60.0, isolation_level=None, check_same_thread=False
+            )
+            self._conn.row_factory = sqlite3.Row
+            self._conn.execute("PRAGMA busy_timeout = 60000")
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def take(self, n: int, after_cursor: int = 0) -> list[Pair]:
+        """Up to ``n`` ready pairs with ``cursor > after_cursor``, in cursor order."""
+        if n < 1:
+            raise ValueError(f"PairStore.take: n must be at least 1, got {n}")
+        conn = self._connection()
+        if conn is None:
+            return []
+        rows = conn.execute(
+            "SELECT * FROM pairs WHERE status = 'ready' AND cursor > ? ORDER BY cursor LIMIT ?",
+            (after_cursor, n),
+        ).fetchall()
+        return [_pair(r) for r in rows]
+
+    def latest_cursor(self) -> int:
+        """The cursor of the newest ready pair (0 when there is none)."""
+        conn = self._connection()
+        if conn is None:
+            return 0
+        row = conn.execute("SELECT COALESCE(MAX(cursor), 0) FROM pairs WHERE status = 'ready'").fetchone()
+        return int(row[0])
+
+    def count(self, after_cursor: int = 0) -> int:
+        """Ready pairs after ``after_cursor``."""
+        conn = self._connection()
+        if conn is None:
+            return 0
+        row = conn.execute(
+            "SELECT COUNT(*) FROM pairs WHERE status = 'ready' AND cursor > ?", (after_cursor,)
+        )
+        return int(row.fetchone()[0])
+
+    def process_rewards(self, trace_id: str) -> dict[int, float]:
+        """``turn_index -> process reward`` of every labeled step of a trace (pairs, confirmations
+        and undecided steps alike)."""
+        conn = self._connection()
+        if conn is None:
+            return {}
+        rows = conn.execute(
+            "SELECT turn_index, process_reward FROM steps WHERE trace_id = ? AND status = 'done'"
+            " AND process_reward IS NOT NULL ORDER BY turn_index",
+            (trace_id,),
+        )
+        return {r["turn_index"]: r["process_reward"] for r in rows}
+
+
+def _pair(r: sqlite3.Row) -> Pair:
+    return Pair(
+        cursor=r["cursor"],
+        trace_id=r["trace_id"],
+        turn_index=r["turn_index"],
+        state_hash=r["state_hash"],
+        context_ids=json.loads(r["context_ids"]),
+        chosen_ids=json.loads(r["chosen_ids"]),
+        rejected_ids=json.loads(r["rejected_ids"]),
+        ref_chosen_logprobs=json.loads(r["ref_chosen_logprobs"]),
+        ref_rejected_logprobs=json.loads(r["ref_rejected_logprobs"]),
+        label_smoothing=r["label_smoothing"],
+        vote_share=r["vote_share"],
+        margin=r["margin"],
+        process_reward=r["process_reward"],
+        chosen_source=r["chosen_source"],
+        chosen_text=r["chosen_text"],
+        rejected_text=r["rejected_text"],
+        reference_model=r["reference_model"],
+        provenance=json.loads(r["provenance"]),
+    )

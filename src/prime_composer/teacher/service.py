@@ -1,0 +1,207 @@
+"""The ``teacher`` process: one store, one replay loop, the HTTP routes, the reference worker.
+
+Start-up: take an exclusive lock on ``<output_dir>/teacher/service.lock`` (two services on one
+store would each think they own the budget), open the store, import the configured trace files,
+rebuild spending from the ledger. Then:
+
+- ``serve = false``: label everything pending, compute reference logprobs, log the stats, exit;
+- ``serve = true``: serve the routes (``server.py``) and repeat "label what is pending" until
+  SIGTERM/SIGINT, waking early when ``POST /v1/traces`` brings new traces; a worker thread turns
+  pending pair candidates into ready pairs meanwhile. The bound address is written to
+  ``<output_dir>/teacher/service.json`` (``{"url": ...}``; ``port = 0`` picks a free port).
+
+Metrics go to ``<output_dir>/metrics/teacher.jsonl`` after every pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from prime_composer.config.errors import ConfigError
+from prime_composer.config.teacher import TeacherServiceConfig
+from prime_composer.io import atomic_write_text
+from prime_composer.metrics import MetricsLogger
+from prime_composer.teacher.budget import Budget
+from prime_composer.teacher.pool import StudentSampler, TeacherPool
+from prime_composer.teacher.reference import ReferenceScorer
+from prime_composer.teacher.replay import Replayer, import_sources, reference_pass
+from prime_composer.teacher.server import build_app, resolve_secret
+from prime_composer.teacher.store import TeacherStore
+
+logger = logging.getLogger("prime_composer.teacher")
+
+
+@contextlib.contextmanager
+def exclusive_store(store_path: Path) -> Iterator[None]:
+    """Hold ``service.lock`` next to the store for the life of the process (released by the kernel
+    even on SIGKILL)."""
+    lock_path = store_path.parent / "service.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"another teacher process holds {lock_path}: one service per store (stop it, or use "
+                "another output_dir)"
+            ) from None
+        yield
+
+
+def run_service(cfg: TeacherServiceConfig) -> int:
+    try:
+        secret = resolve_secret(cfg.host, cfg.secret_env) if cfg.serve else None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    with exclusive_store(cfg.store_path):
+        store = TeacherStore(cfg.store_path)
+        try:
+            try:
+                summary = import_sources(cfg, store)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            logger.info("imported %d traces (%d rejected)", summary.num_added, summary.num_rejected)
+            asyncio.run(_run(cfg, store, secret))
+        finally:
+            store.close()
+    return 0
+
+
+def _summary(stats: dict[str, Any]) -> dict[str, float]:
+    return {
+        "teacher/spent_usd": stats["spent_usd"],
+        "teacher/calls_paid": stats["calls_paid"],
+        "teacher/pairs_ready": stats["pairs"].get("ready", 0),
+        "teacher/steps_pair": stats["steps"].get("pair", 0),
+        "teacher/steps_confirmed": stats["steps"].get("confirmed", 0),
+        "teacher/traces_done": stats["traces"].get("done", 0),
+    }
+
+
+class _Server:
+    """uvicorn without its own signal handling (the service stops it)."""
+
+    def __init__(self, app: Any, sock: socket.socket) -> None:
+        import uvicorn
+
+        class Quiet(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+        self.server = Quiet(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.sock = sock
+
+    async def serve(self) -> None:
+        await self.server.serve(sockets=[self.sock])
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host.strip("[]"), port))
+    return sock
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout)
+
+
+async def _run(cfg: TeacherServiceConfig, store: TeacherStore, secret: str | None) -> None:
+    budget = Budget(cfg.budget, store.spent_by_trace())
+    try:  # an API key variable that is named but not set is the user's to fix
+        pool = TeacherPool(
+            cfg.pool, cfg.budget, store, budget, expected_output_tokens=cfg.gate.expected_output_tokens
+        )
+        student = StudentSampler(cfg.pairs.on_policy, cfg.seed) if cfg.pairs.on_policy.enabled else None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    replayer = Replayer(cfg, store, pool, student)
+    scorer = ReferenceScorer(cfg.model, cfg.reference)
+    reference_store = TeacherStore(cfg.store_path)  # the worker thread's own connection
+    metrics = MetricsLogger(cfg.output_dir, "teacher")
+    logger.info("run spend so far $%.4f (from the ledger)", budget.spent())
+    try:
+        if not cfg.serve:
+            num = await replayer.run_pending()
+            num_ready = await asyncio.to_thread(
+                reference_pass, reference_store, scorer, cfg.pairs.max_pair_tokens
+            )
+            stats = store.stats()
+            metrics.log(0, _summary(stats))
+            logger.info(
+                "labeled %d steps, %d pairs ready; %s", num, num_ready, json.dumps(stats, sort_keys=True)
+            )
+            return
+        await _serve(cfg, store, secret, replayer, scorer, reference_store, metrics)
+    finally:
+        await pool.aclose()
+        if student is not None:
+            await student.aclose()
+        reference_store.close()
+
+
+async def _serve(
+    cfg: TeacherServiceConfig,
+    store: TeacherStore,
+    secret: str | None,
+    replayer: Replayer,
+    scorer: ReferenceScorer,
+    reference_store: TeacherStore,
+    metrics: MetricsLogger,
+) -> None:
+    loop = asyncio.get_running_loop()
+    stop, wake = asyncio.Event(), asyncio.Event()
+
+    def request_stop() -> None:
+        stop.set()
+        wake.set()  # an idle replay loop waits on wake
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, request_stop)
+    sock = _bind(cfg.host, cfg.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    server = _Server(build_app(cfg, store, secret, wake), sock)
+    serving = asyncio.create_task(server.serve())
+    atomic_write_text(cfg.store_path.parent / "service.json", json.dumps({"url": url}) + "\n")
+    logger.info("serving on %s", url)
+
+    async def reference_loop() -> None:
+        while not stop.is_set():
+            ready = await asyncio.to_thread(
+                reference_pass, reference_store, scorer, cfg.pairs.max_pair_tokens
+            )
+            if ready == 0:
+                await _wait(stop, cfg.poll_s)
+
+    referencing = asyncio.create_task(reference_loop())
+    iteration = 0
+    try:
+        while not stop.is_set():
+            wake.clear()
+            labeled = await replayer.run_pending()
+            iteration += 1
+            metrics.log(iteration, {**_summary(store.stats()), "teacher/steps_labeled": labeled})
+            if labeled == 0:
+                await _wait(wake, cfg.poll_s)
+    finally:
+        logger.info("stopping")
+        stop.set()
+        server.stop()
+        await asyncio.gather(serving, referencing, return_exceptions=True)
+        sock.close()

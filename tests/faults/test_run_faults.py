@@ -1,0 +1,46 @@
+"""Runs that used to finish with exit 0 and "done" having learned nothing now stop with an error
+that says which and why, and the launcher does not suggest a resume that would fail the same way.
+(``group_size 1`` is refused by the config: ``tests/unit/test_config_cli.py``.)"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "e2e_launch_helpers", Path(__file__).resolve().parents[1] / "e2e" / "conftest.py"
+)
+assert _spec is not None and _spec.loader is not None
+_helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_helpers)
+
+QUICK = (
+    "--max-steps",
+    "4",
+    "--no-warmup.enabled",
+    "--orchestrator.eval.interval",
+    "0",
+    "--ckpt.interval",
+    "0",
+)
+
+
+@pytest.mark.slow
+def test_every_rollout_failing_stops_the_run(tmp_path: Path) -> None:
+    # A context of 8 tokens: every prompt is longer, every rollout is an error sample.
+    proc = _helpers.run_rl(tmp_path, *QUICK, "--inference.max-model-len", "8", timeout=600)
+    assert proc.returncode != 0 and "rl: done" not in proc.stdout
+    log = (tmp_path / "logs" / "orchestrator.log").read_text()
+    assert "rollouts failed" in log and "max_error_fraction" in log
+    assert "would stop the same way" in proc.stdout and "--resume" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_destroyed_policy_stops_the_run(tmp_path: Path) -> None:
+    proc = _helpers.run_rl(tmp_path, *QUICK, "--trainer.optim.lr", "1e9", timeout=600)
+    assert proc.returncode != 0 and "rl: done" not in proc.stdout
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
+    assert "diverged" in logs or "rollouts failed" in logs, logs[-3000:]
+    assert "would stop the same way" in proc.stdout

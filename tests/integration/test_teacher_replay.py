@@ -1,0 +1,303 @@
+"""The replay loop against fake teachers on loopback: faults as ledger rows, budgets under
+concurrency, the response cache, the cascade and the on-policy chosen side.
+
+Every teacher is a real HTTP server (``teacher.fakes`` served by uvicorn on 127.0.0.1) reached
+through ``EndpointClient``; the store is a real SQLite file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI, Request
+
+from prime_composer.config.client import RetryConfig
+from prime_composer.config.teacher import TeacherServiceConfig
+from prime_composer.inference.local import running_app
+from prime_composer.teacher.actions import Action, canonical_call, render_action
+from prime_composer.teacher.budget import Budget, worst_case_cost
+from prime_composer.teacher.fakes import fake_teacher_app, fixed
+from prime_composer.teacher.pool import StudentSampler, TeacherPool
+from prime_composer.teacher.prompts import teacher_messages
+from prime_composer.teacher.replay import Replayer
+from prime_composer.teacher.store import TeacherStore
+from prime_composer.teacher.traces import TraceSourceConfig, parse_trace
+
+PYTEST = {"tool": "bash", "arguments": {"command": "pytest -q"}}
+FAST = RetryConfig(timeout_s=2.0, max_retries=2, backoff_s=0.0, max_backoff_s=0.0)
+
+
+def coding_trace(name: str, task: str = "Make the tests in calc/ pass.", pytest_logprobs=None) -> dict:
+    """Four steps: read (ls), a wrong edit, the test run (pytest -q, what the fakes say), a message."""
+    return {
+        "id": name,
+        "task": task,
+        "turns": [
+            {"role": "user", "content": task},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"name": "bash", "arguments": {"command": "ls calc"}}],
+            },
+            {"role": "tool", "content": "calc.py test_calc.py", "exit_code": 0},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "name": "str_replace",
+                        "arguments": {"path": "calc/calc.py", "old_str": "a + b", "new_str": "a - b"},
+                    }
+                ],
+            },
+            {"role": "tool", "content": "edited", "exit_code": 0},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"name": "bash", "arguments": {"command": "pytest  -q"}}],
+                **({"logprobs": pytest_logprobs} if pytest_logprobs else {}),
+            },
+            {"role": "tool", "content": "1 failed", "exit_code": 1},
+            {"role": "assistant", "content": "Done."},
+        ],
+        "reward": 0.0,
+    }
+
+
+@contextlib.contextmanager
+def serving(apps: dict[str, FastAPI]):
+    with contextlib.ExitStack() as stack:
+        yield {name: stack.enter_context(running_app(app)) + "/v1" for name, app in apps.items()}
+
+
+def make_config(tmp_path: Path, urls: dict[str, str], **overrides) -> TeacherServiceConfig:
+    pool = overrides.pop("pool", None) or [
+        {
+            "name": name,
+            "base_url": url,
+            "model": f"m-{name}",
+            "input_usd_per_m": 3.0,
+            "output_usd_per_m": 15.0,
+            "retry": FAST.model_dump(),
+        }
+        for name, url in urls.items()
+    ]
+    fields = {
+        "output_dir": tmp_path,
+        "pool": pool,
+        "gate": {"enabled": False, "cascade": False},
+        "budget": {"per_trace_usd": None, "per_run_usd": None},
+        "serve": False,
+        **overrides,
+    }
+    return TeacherServiceConfig.model_validate(fields)
+
+
+def replay(
+    cfg: TeacherServiceConfig, traces: list[dict], student: StudentSampler | None = None
+) -> TeacherStore:
+    store = TeacherStore(cfg.store_path)
+    for data in traces:
+        assert store.add_trace(parse_trace(data, "test", TraceSourceConfig())) is None
+
+    async def main() -> None:
+        pool = TeacherPool(cfg.pool, cfg.budget, store, Budget(cfg.budget, store.spent_by_trace()))
+        try:
+            await Replayer(cfg, store, pool, student).run_pending()
+        finally:
+            await pool.aclose()
+            if student is not None:
+                await student.aclose()
+
+    asyncio.run(main())
+    return store
+
+
+def outcomes(store: TeacherStore) -> dict[int, str]:
+    return {r["turn_index"]: r["outcome"] for r in store.steps()}
+
+
+def test_faulty_teachers_are_ledger_rows_and_good_ones_still_make_pairs(tmp_path):
+    apps = {
+        "good-a": fake_teacher_app(fixed(PYTEST)),
+        "good-b": fake_teacher_app(fixed(PYTEST)),
+        "slow": fake_teacher_app(fixed(PYTEST), fault="slow", delay_s=0.3),
+        "timeout": fake_teacher_app(fixed(PYTEST), fault="timeout", delay_s=5.0),
+        "err500": fake_teacher_app(fixed(PYTEST), fault="500"),
+        "err429": fake_teacher_app(fixed(PYTEST), fault="429"),
+        "garbage": fake_teacher_app(fixed(PYTEST), fault="garbage"),
+        "no-json": fake_teacher_app(fixed(PYTEST), fault="no_json"),
+    }
+    with serving(apps) as urls:
+        cfg = make_config(tmp_path, urls)
+        timeout_cfg = next(e for e in cfg.pool if e.id == "timeout")
+        timeout_cfg.retry = RetryConfig(timeout_s=0.5, max_retries=1, backoff_s=0.0)
+        store = replay(cfg, [coding_trace("t1")])
+        requests = {name: len(app.state.requests) for name, app in apps.items()}
+
+    # Steps 1 (ls), 3 (the wrong edit) and 7 (the message) disagree with the three valid votes
+    # for pytest; step 5 is the trace's own pytest run (spaced differently: the same action).
+    assert outcomes(store) == {1: "pair", 3: "pair", 5: "confirmed", 7: "pair"}
+    ledger = store.ledger()
+    by_teacher: dict[str, set[str]] = {}
+    for row in ledger:
+        by_teacher.setdefault(row["teacher"], set()).add(row["outcome"])
+    assert by_teacher == {
+        "good-a": {"ok"}, "good-b": {"ok"}, "slow": {"ok"}, "timeout": {"timeout"}, "err500": {"http_500"},
+        "err429": {"http_429"}, "garbage": {"bad_json"}, "no-json": {"malformed"},
+    }  # fmt: skip
+    assert len(ledger) == 8 * 4  # every teacher, every step: one row each
+    attempts = {r["teacher"]: r["attempts"] for r in ledger}
+    assert (
+        attempts["err500"] == attempts["err429"] == 3
+        and attempts["garbage"] == 1
+        and attempts["timeout"] == 2
+    )
+    assert requests["err500"] == 3 * 4 and requests["garbage"] == 4 and requests["good-a"] == 4
+    # Failed calls cost nothing; paid ones cost what their usage says at the configured prices.
+    assert all(r["dollars"] == 0 for r in ledger if r["outcome"] not in ("ok", "malformed"))
+    paid = [r for r in ledger if r["outcome"] == "ok"]
+    assert all(
+        r["dollars"] == pytest.approx((3 * r["input_tokens"] + 15 * r["output_tokens"]) / 1e6) for r in paid
+    )
+    pairs = store.pairs_needing_reference(10)
+    assert {p["turn_index"] for p in pairs} == {1, 3, 7}
+    assert all(
+        p["chosen_text"] == render_action(Action(calls=(canonical_call("bash", {"command": "pytest -q"}),)))
+        for p in pairs
+    )
+    provenance = json.loads(pairs[0]["provenance"])
+    assert sorted(provenance["teachers"]) == sorted(apps) and provenance["outcomes"]["timeout"] == "timeout"
+    assert pairs[0]["vote_share"] == 1.0 and pairs[0]["label_smoothing"] == 0.0
+
+
+def test_cached_answers_are_free_and_never_requested_again(tmp_path):
+    apps = {
+        "a": fake_teacher_app(fixed(PYTEST)),
+        "b": fake_teacher_app(fixed(PYTEST)),
+        "bad": fake_teacher_app(fixed(PYTEST), fault="500"),
+    }
+    with serving(apps) as urls:
+        cfg = make_config(tmp_path, urls)
+        store = replay(cfg, [coding_trace("first")])
+        first = {name: len(app.state.requests) for name, app in apps.items()}
+        spent = store.stats()["spent_usd"]
+        # The same states again (another trace id, same content): answers come from the cache.
+        store = replay(cfg, [coding_trace("second")])
+        second = {name: len(app.state.requests) - first[name] for name, app in apps.items()}
+    assert second["a"] == second["b"] == 0
+    assert second["bad"] == first["bad"]  # failures are not cached: asked again
+    hits = [r for r in store.ledger() if r["outcome"] == "cache_hit"]
+    assert len(hits) == 2 * 4 and all(r["dollars"] == 0 for r in hits)
+    assert store.stats()["spent_usd"] == pytest.approx(spent)
+    # Both traces label alike; the pairs (same states, same sides) are stored once.
+    assert len(store.pairs_needing_reference(100)) == 3
+
+
+@pytest.mark.parametrize("cap", ["run", "trace"])
+def test_budget_holds_under_many_concurrent_steps(tmp_path, cap):
+    apps = {"slow": fake_teacher_app(fixed(PYTEST), fault="slow", delay_s=0.3)}
+    traces = [coding_trace(f"t{i}", task=f"Make the tests in calc{i}/ pass.") for i in range(10)]
+    with serving(apps) as urls:
+        cfg = make_config(tmp_path, urls, max_concurrent_steps=64)
+        cfg.pool[0].max_concurrency = 64
+        probe = parse_trace(traces[0], "probe", TraceSourceConfig())
+        worst = max(
+            worst_case_cost(
+                cfg.pool[0], teacher_messages(probe, i, cfg.instructions), cfg.budget.prompt_overhead_tokens
+            )
+            for i in probe.step_indices
+        )
+        if cap == "run":
+            cfg.budget.per_run_usd = 3.5 * worst  # room for 3 calls at their worst case
+        else:
+            cfg.budget.per_trace_usd = 2.5 * worst  # 2 calls per trace
+        store = replay(cfg, traces)
+        num_requests = len(apps["slow"].state.requests)
+    ledger = store.ledger()
+    paid = [r for r in ledger if r["outcome"] == "ok"]
+    refused = [r for r in ledger if r["outcome"] == "budget"]
+    assert num_requests == len(paid) and len(paid) + len(refused) == 40
+    if cap == "run":
+        assert len(paid) == 3 and sum(r["dollars"] for r in paid) <= cfg.budget.per_run_usd
+    else:
+        assert len(paid) == 20
+        for t in range(10):
+            assert sum(r["dollars"] for r in paid if r["trace_id"] == f"t{t}") <= cfg.budget.per_trace_usd
+    assert store.stats()["steps"]["budget"] == 40 - len(paid)
+
+
+def test_cascade_asks_the_dear_teachers_only_on_disagreement_or_uncertainty(tmp_path):
+    apps = {name: fake_teacher_app(fixed(PYTEST)) for name in ("cheap", "dear-a", "dear-b")}
+    with serving(apps) as urls:
+        pool = [
+            {
+                "name": name,
+                "base_url": url,
+                "model": name,
+                "input_usd_per_m": price,
+                "output_usd_per_m": price,
+                "retry": FAST.model_dump(),
+            }
+            for (name, url), price in zip(urls.items(), (0.1, 5.0, 8.0), strict=True)
+        ]
+        cfg = make_config(
+            tmp_path, urls, pool=pool, gate={"enabled": False, "cascade": True, "escalate_uncertainty": 0.7}
+        )
+        store = replay(
+            cfg, [coding_trace("sure"), coding_trace("unsure", task="Fix it", pytest_logprobs=[-3.0, -2.0])]
+        )
+        requests = {name: len(app.state.requests) for name, app in apps.items()}
+    # 8 steps; the cheap teacher agrees with the trace at each pytest step (2), so the dear ones are
+    # asked at the 6 others, and at the unsure trace's pytest step (uncertainty 1 - e^-2.5 > 0.7).
+    assert requests == {"cheap": 8, "dear-a": 7, "dear-b": 7}
+    labels = outcomes(store)
+    assert labels[5] == "confirmed"
+
+
+def student_app(samples: list[tuple[str, list[int]]]) -> FastAPI:
+    app = FastAPI()
+    app.state.requests = []
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> dict:
+        body = await request.json()
+        app.state.requests.append(body)
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "token_ids": ids,
+                "finish_reason": "stop",
+            }
+            for i, (text, ids) in enumerate(samples[: body["n"]])
+        ]
+        return {"choices": choices, "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+
+    return app
+
+
+def test_on_policy_chosen_side_is_the_students_matching_sample(tmp_path):
+    matching = '<tool_call>\n{"name": "bash", "arguments": {"command": "pytest   -q"}}\n</tool_call>'
+    student = student_app([("let me think", [7]), (matching, [11, 12, 13])])
+    apps = {"a": fake_teacher_app(fixed(PYTEST)), "b": fake_teacher_app(fixed(PYTEST)), "student": student}
+    with serving(apps) as urls:
+        student_url = urls.pop("student")
+        on_policy = {"enabled": True, "base_url": student_url, "model": "policy", "num_samples": 2}
+        cfg = make_config(tmp_path, urls, pairs={"on_policy": on_policy})
+        sampler = StudentSampler(cfg.pairs.on_policy, seed=0)
+        store = replay(cfg, [coding_trace("t")], student=sampler)
+    pairs = store.pairs_needing_reference(10)
+    assert len(pairs) == 3 and all(p["chosen_source"] == "student" for p in pairs)
+    assert all(json.loads(p["chosen_ids"]) == [11, 12, 13] and p["chosen_text"] == matching for p in pairs)
+    # The student saw the state in its own format, with the sampling settings configured.
+    body = student.state.requests[0]
+    assert (
+        body["n"] == 2
+        and body["return_token_ids"]
+        and body["messages"][0] == {"role": "user", "content": "Make the tests in calc/ pass."}
+    )

@@ -1,0 +1,161 @@
+"""The VOI gate's features (hand-computed), its selection, and budgets that hold under concurrency."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+
+from prime_composer.config.teacher import BudgetConfig, GateConfig
+from prime_composer.teacher.budget import Budget, prompt_token_bound
+from prime_composer.teacher.gate import StepFeatures, select_steps, step_features
+from prime_composer.teacher.traces import TraceSourceConfig, parse_trace
+
+
+def bash(command, **extra):
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"name": "bash", "arguments": {"command": command}}],
+        **extra,
+    }
+
+
+def edit(path, old, new):
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"name": "str_replace", "arguments": {"path": path, "old_str": old, "new_str": new}}],
+    }
+
+
+def tool(content, **extra):
+    return {"role": "tool", "content": content, **extra}
+
+
+def trace_of(*turns):
+    return parse_trace(
+        {"task": "t", "turns": [{"role": "user", "content": "go"}, *turns]}, "test", TraceSourceConfig()
+    )
+
+
+def features(trace, cfg=None, seen=lambda h: False):
+    return step_features(trace, cfg or GateConfig(), seen)
+
+
+def test_uncertainty_is_one_minus_geometric_mean_probability():
+    trace = trace_of(
+        bash("ls", logprobs=[-0.1, -0.3]), tool("a.py"), {"role": "assistant", "content": "done"}
+    )
+    f = features(trace, GateConfig(default_uncertainty=0.42))
+    assert f[0].uncertainty == pytest.approx(1 - math.exp(-0.2))
+    assert f[1].uncertainty == 0.42  # no logprobs in the trace
+
+
+def test_impact_edits_commands_reads_messages():
+    cfg = GateConfig()
+    trace = trace_of(
+        edit("a.py", "x", "y"), tool("ok"),
+        bash("pytest -q"), tool("ok"),
+        bash("cat a.py | grep x"), tool("x"),
+        bash("git diff"), tool(""),
+        bash("cat a.py > b.py"), tool(""),
+        {"role": "assistant", "content": "done"},
+    )  # fmt: skip
+    assert [f.impact for f in features(trace, cfg)] == [
+        cfg.impact_edit, cfg.impact_command, cfg.impact_read, cfg.impact_read, cfg.impact_command, cfg.impact_message,
+    ]  # fmt: skip
+
+
+def test_error_proximity_exit_codes_patterns_and_the_window_around_errors():
+    trace = trace_of(
+        bash("ls"), tool("a.py"),                       # step 0: 3 before the first error
+        bash("cat a.py"), tool("..."),                  # step 1: 2 before
+        edit("a.py", "x", "y"), tool("ok"),             # step 2: 1 before (the planted mistake)
+        bash("pytest"), tool("1 failed, 2 passed"),     # step 3: failing tests (pattern)
+        bash("make"), tool("boom", exit_code=2),        # step 4: non-zero exit
+        bash("ls"), tool("a.py", exit_code=0),          # step 5: fine, 1 after an error
+        bash("ls"), tool("a.py"),                       # step 6: 2 after
+        bash("ls"), tool("a.py"),                       # step 7: 3 after
+    )  # fmt: skip
+    errors = [f.error for f in features(trace, GateConfig(error_window=2))]
+    assert errors == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0, 1.0, 2 / 3, 1 / 3, 0.0])
+
+
+def test_reverted_edits_and_the_reverting_step_count_as_errors():
+    # Both the edit and the step that undoes it are suspect: one of them was wrong.
+    inverse = trace_of(
+        edit("a.py", "x", "y"), tool("ok"), bash("ls"), tool("a.py"), edit("./a.py", "y", "x"), tool("ok")
+    )
+    assert [f.error for f in features(inverse, GateConfig(error_window=0))] == [1.0, 0.0, 1.0]
+    checkout = trace_of(
+        edit("a.py", "x", "y"),
+        tool("ok"),
+        edit("b.py", "p", "q"),
+        tool("ok"),
+        bash("git checkout -- a.py"),
+        tool(""),
+    )
+    assert [f.error for f in features(checkout, GateConfig(error_window=0))] == [1.0, 0.0, 1.0]
+
+
+def test_novelty_and_score():
+    trace = trace_of(bash("ls"), tool("a.py"), bash("pytest"), tool("ok"))
+    first_state = trace.state_hash(1)
+    f = features(trace, seen=lambda h: h == first_state)
+    assert [x.novelty for x in f] == [0.0, 1.0]
+    cfg = GateConfig(weight_uncertainty=0.5, weight_error=1.0, impact_floor=0.2, seen_state_factor=0.5)
+    # evidence = 1 - (1 - 0.5 * 0.5) * (1 - 1.0 * 0.25) = 0.4375; stakes = 0.2 + 0.8 * impact.
+    step = StepFeatures(0, "h", uncertainty=0.5, impact=1.0, error=0.25, novelty=1.0)
+    assert step.score(cfg) == pytest.approx(0.4375)
+    seen_read = StepFeatures(0, "h", uncertainty=0.5, impact=0.5, error=0.25, novelty=0.0)
+    assert seen_read.score(cfg) == pytest.approx(0.4375 * 0.6 * 0.5)
+    with pytest.raises(ValueError, match="every score is 0"):
+        GateConfig(weight_uncertainty=0, weight_error=0)
+
+
+def test_select_top_b_by_score_per_dollar_in_trace_order():
+    cfg = GateConfig(max_steps_per_trace=2, min_score=0.3, weight_error=0, impact_floor=0)
+    f = [StepFeatures(i, str(i), u, 1.0, 0, 1.0) for i, u in enumerate([0.9, 0.8, 0.5, 0.2])]  # score = u
+    # Step 0 is the best but ten times dearer: 0.09 per dollar against 0.8 and 0.5.
+    assert select_steps(f, [10.0, 1.0, 1.0, 0.01], cfg) == [1, 2]
+    assert select_steps(f, [1.0] * 4, cfg) == [0, 1]
+    assert select_steps(f, [1.0] * 4, cfg.model_copy(update={"enabled": False})) == [0, 1, 2, 3]
+
+
+# --------------------------------------------------------------------------------------- budget
+
+
+def test_reservations_hold_the_caps_and_settle_to_the_real_cost():
+    budget = Budget(BudgetConfig(per_trace_usd=1.0, per_run_usd=1.5), spent_by_trace={"a": 0.25})
+    first = budget.reserve("a", 0.5)
+    assert first is not None
+    assert budget.reserve("a", 0.3) is None  # 0.25 spent + 0.5 reserved + 0.3 > 1.0
+    budget.settle(first, 0.1)  # the call cost less than its worst case
+    assert budget.spent("a") == pytest.approx(0.35) and budget.reserve("a", 0.6) is not None
+    assert budget.reserve("b", 0.6) is None  # the run: 0.35 + 0.6 reserved + 0.6 > 1.5
+    assert budget.reserve("b", 0.5) is not None
+
+
+def test_concurrent_reservations_never_overshoot():
+    budget = Budget(BudgetConfig(per_trace_usd=None, per_run_usd=1.0))
+    granted = []
+
+    def worker():
+        for _ in range(200):
+            r = budget.reserve("t", 1 / 64)  # exact in binary: no rounding at the edge
+            if r is not None:
+                granted.append(r)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(granted) == 64  # exactly the cap's worth, although 1600 were asked
+
+
+def test_prompt_bound_is_at_least_bytes():
+    messages = [{"role": "user", "content": "héllo"}]
+    assert prompt_token_bound(messages, overhead=0) >= len("héllo".encode()) + len("user")
