@@ -269,7 +269,10 @@ def test_the_visibility_scan_finds_a_readable_copy(built: Built) -> None:
 
 class FakeTrace:
     def __init__(self) -> None:
+        from feature_deletion.taskset import FeatureDeletionState
+
         self.info: dict[str, object] = {}
+        self.state = FeatureDeletionState()
 
 
 def test_the_taskset_loads_through_the_orchestrator_and_rewards_with_the_grader(built: Built) -> None:
@@ -307,3 +310,65 @@ def test_the_taskset_loads_through_the_orchestrator_and_rewards_with_the_grader(
     assert solved == 1.0 and info["feature_deletion_grade"]["probes_matched"] > 0  # type: ignore[index]
     unopened, info = asyncio.run(episode(False))
     assert unopened == 0.0 and "never opened" in info["feature_deletion_grade"]["error"]  # type: ignore[index]
+
+
+# -- through the agent harness ---------------------------------------------------------------
+
+
+def test_episodes_run_through_the_agent_harness_in_the_environments_sandbox(built: Built) -> None:
+    """A token-in scripted model drives the real harness (prime_composer.orchestrator.agent_harness)
+    through ``RolloutRunner``: the oracle's one ``write_file`` call restores the feature (1.0), an
+    agent that only answers scores 0, and the tools ran in this environment's workspace."""
+    sys.path.insert(0, str(ENV_DIR.parent / "pyfix"))
+    from pyfix.scripted import ScriptedServer
+    from transformers import AutoTokenizer
+
+    from prime_composer.config.env import EnvConfig, RolloutConfig, SamplingConfig
+    from prime_composer.model.resolve import resolve_model_name
+    from prime_composer.orchestrator.envs import load_env
+    from prime_composer.orchestrator.rollout import RolloutRunner
+    from prime_composer.orchestrator.sample import Sample
+
+    tokenizer_path = resolve_model_name("builtin:tiny-qwen3")
+    args = {"store": str(built.store.root), "hidden_paths": [str(p) for p in HIDDEN], "eval_fraction": 0}
+    agent = {"tokenizer": tokenizer_path, "max_turns": 3, "time_limit_s": 120}
+    loaded = load_env(EnvConfig(id="feature-deletion", args=args, agent=agent), 0)
+    tasks = loaded.tasks("train")
+    index = next(i for i, t in enumerate(tasks) if t.data.id.endswith(SAMPLE[0]))
+    data = tasks[index].data
+    original = (corpus.load_project(built.store, data.project).tree(built.store) / data.file).read_text()
+
+    class Scripted(ScriptedServer):
+        def reply(self, policy: str, prompt_text: str) -> str:
+            assert data.prompt in prompt_text
+            if policy == "oracle" and prompt_text.count(self.assistant_marker) == 1:
+                call = {"name": "write_file", "arguments": {"path": data.file, "content": original}}
+                return f"<tool_call>{json.dumps(call)}</tool_call>"
+            return "Done."
+
+    os.environ["PC_TEST_FD_SECRET"] = "s3cret"
+    scripted = Scripted(
+        AutoTokenizer.from_pretrained(tokenizer_path), [], max_model_len=32768, secret="s3cret"
+    )
+
+    async def play(policy: str) -> Sample:
+        async with RolloutRunner(
+            [loaded],
+            base_url=base_url,
+            model=policy,
+            sampling=SamplingConfig(max_tokens=4000),
+            rollout=RolloutConfig(max_concurrent=2, timeout_s=300),
+            api_key_var="PC_TEST_FD_SECRET",
+        ) as runner:
+            (sample,) = await runner.run_group(
+                loaded, tasks[index], group_size=1, example_id=index, group_id=0, policy_step=0
+            )
+            return sample
+
+    with scripted.serve() as base_url:
+        oracle, noop = asyncio.run(play("oracle")), asyncio.run(play("noop"))
+    del os.environ["PC_TEST_FD_SECRET"]
+    assert oracle.error is None and oracle.reward == 1.0, oracle.error
+    assert oracle.metrics["agent/num_tool_calls"] == 1.0
+    assert noop.error is None and noop.reward == 0.0
+    assert noop.info["feedback"][0]["kind"] == "failing_test"

@@ -16,6 +16,7 @@ agent's workspace so that each known reward hack scores 0 (README.md lists them)
 from feature_deletion.taskset import (
     FeatureDeletionConfig,
     FeatureDeletionData,
+    FeatureDeletionState,
     FeatureDeletionTask,
     FeatureDeletionTaskset,
     episode_for,
@@ -24,6 +25,7 @@ from feature_deletion.taskset import (
 __all__ = [
     "FeatureDeletionConfig",
     "FeatureDeletionData",
+    "FeatureDeletionState",
     "FeatureDeletionTask",
     "FeatureDeletionTaskset",
     "episode_for",

@@ -4,15 +4,19 @@
 one ``FeatureDeletionTask`` per task. The task's data carries only the prompt and labels (it
 rides on traces); the grading record stays in the store.
 
-How a tool-using harness plugs in (the agent loop itself is the harness's):
+The task data is an ``AgentTaskData``, so the orchestrator plays its episodes with the agent
+harness (``prime_composer.orchestrator.agent_harness``, multi-turn, tool-using), with one
+difference from other agentic tasks: the workspace is not made by the harness from ``files``
+(its sandbox hides less than this environment needs: the store, every other ``site-packages``,
+the corpus sources) but by the task:
 
-- ``setup(trace, runtime)`` opens an ``Episode`` (fresh workspace, coding tools) and puts its id
-  in ``trace.info["feature_deletion_episode"]``; ``episode_for(trace)`` returns it, and the
-  harness sends ``episode.tools.definitions()`` with each request and runs every tool call of a
-  reply through ``episode.tools.call(name, arguments)``;
+- ``setup(trace, runtime)`` opens an ``Episode`` (fresh workspace in the environment's own
+  sandbox, coding tools) and puts it on ``trace.state`` (``FeatureDeletionState``), with its
+  workspace and ``Toolset``; the harness runs the model's tool calls with that toolset;
 - the reward ``restored`` grades that workspace when the rollout is scored, writes the grade to
   ``trace.info["feature_deletion_grade"]`` (and a failing test as ``feedback`` for SDPO hints),
-  and closes the episode. A rollout that never opened an episode scores 0 and says why.
+  and closes the episode (the harness's cleanup closing it again is a no-op). A rollout that
+  never opened an episode scores 0 and says why.
 
 ``open_episode()`` gives the same episode without verifiers, for scripted agents and tests.
 """
@@ -23,7 +27,6 @@ import asyncio
 import json
 import math
 import random
-import secrets
 import threading
 from pathlib import Path
 from typing import Literal
@@ -34,12 +37,12 @@ from pydantic import Field
 from feature_deletion import corpus, generate
 from feature_deletion.cli import manifest
 from feature_deletion.environment import Limits, open_sandbox
-from feature_deletion.episode import Episode, FeatureDeletion
+from feature_deletion.episode import Episode, FeatureDeletion, test_command
 from feature_deletion.grader import Grade
 from feature_deletion.spec import Store, load_manifest
 from feature_deletion.tasks import write_tasks
+from prime_composer.orchestrator.agent_task import AgentState, AgentTaskData
 
-EPISODE_KEY = "feature_deletion_episode"
 GRADE_KEY = "feature_deletion_grade"
 
 SYSTEM_PROMPT = (
@@ -75,8 +78,9 @@ class FeatureDeletionConfig(vf.TasksetConfig):
     probe_timeout_s: float = Field(default=30.0, gt=0)
 
 
-class FeatureDeletionData(vf.TaskData):
-    """What travels on a trace: the prompt and labels, never the expected values."""
+class FeatureDeletionData(AgentTaskData):
+    """What travels on a trace: the prompt, labels, tools and test command, never the expected
+    values; ``files`` stays empty (``setup`` makes the workspace, see the module docstring)."""
 
     project: str
     file: str
@@ -85,8 +89,13 @@ class FeatureDeletionData(vf.TaskData):
     canary: bool = False
 
 
+class FeatureDeletionState(AgentState):
+    """The agent harness's state plus the episode ``setup`` opened (never serialized)."""
+
+    episode: Episode | None = None
+
+
 _runtimes: dict[str, FeatureDeletion] = {}
-_episodes: dict[str, Episode] = {}
 _lock = threading.Lock()
 
 
@@ -145,11 +154,11 @@ def split_ids(ids: list[str], config: FeatureDeletionConfig) -> list[str]:
 
 def episode_for(trace: vf.Trace) -> Episode | None:
     """The episode ``setup`` opened for this rollout, if any."""
-    with _lock:
-        return _episodes.get(str(trace.info.get(EPISODE_KEY)))
+    state = trace.state
+    return state.episode if isinstance(state, FeatureDeletionState) else None
 
 
-class FeatureDeletionTask(vf.Task[FeatureDeletionData]):
+class FeatureDeletionTask(vf.Task[FeatureDeletionData, FeatureDeletionState]):
     """One task; scored by the grader on the rollout's workspace."""
 
     runtime_key: str = ""
@@ -159,16 +168,25 @@ class FeatureDeletionTask(vf.Task[FeatureDeletionData]):
         return env.episode(str(self.data.id))
 
     async def setup(self, trace: vf.Trace, runtime: vf.Runtime) -> None:
+        state = trace.state
+        if not isinstance(state, FeatureDeletionState):
+            raise TypeError(
+                f"feature-deletion: trace state is {type(state).__name__}, not FeatureDeletionState"
+            )
         episode = await asyncio.to_thread(self.open_episode)
-        ident = secrets.token_hex(8)
-        with _lock:
-            _episodes[ident] = episode
-        trace.info[EPISODE_KEY] = ident
+        state.episode, state.sandbox, state.workspace, state.tools = (
+            episode,
+            episode.env.sandbox,
+            episode.workspace,
+            episode.tools,
+        )
 
     @vf.reward(weight=1.0)
     async def restored(self, trace: vf.Trace) -> float:
-        with _lock:
-            episode = _episodes.pop(str(trace.info.get(EPISODE_KEY)), None)
+        state = trace.state
+        episode = state.episode if isinstance(state, FeatureDeletionState) else None
+        if isinstance(state, FeatureDeletionState):
+            state.episode = None
         if episode is None:
             trace.info[GRADE_KEY] = {"error": "no workspace: the harness never opened this task's episode"}
             return 0.0
@@ -224,6 +242,8 @@ class FeatureDeletionTaskset(vf.Taskset[FeatureDeletionTask, FeatureDeletionConf
                     qualname=record.qualname,
                     kind=record.kind,
                     canary=record.corpus == "canary",
+                    tools=list(env.tools.enabled),
+                    test_command=test_command(env.projects[record.project]),
                 ),
                 self.config.task,
             )
