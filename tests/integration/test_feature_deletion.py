@@ -246,6 +246,7 @@ def test_bytecode_wins_when_a_pyc_is_readable(built: Built, env: FeatureDeletion
     assert outcome.found and grade.reward == 1.0  # why no bytecode may reach a workspace
 
 
+@pytest.mark.slow  # a find / over the whole file system: 185 s on 2 shared, loaded cores
 def test_the_visibility_scan_finds_a_readable_copy(built: Built) -> None:
     project = next(p for p in built.projects if p.spec.name == "textkit")
     planted = Path("/var/lib/prime-composer") / f"fd-scan-test-{os.getpid()}"
@@ -315,6 +316,7 @@ def test_the_taskset_loads_through_the_orchestrator_and_rewards_with_the_grader(
 # -- through the agent harness ---------------------------------------------------------------
 
 
+@pytest.mark.slow  # a tokenizer, a token-in server and two graded episodes: ~35-60 s
 def test_episodes_run_through_the_agent_harness_in_the_environments_sandbox(built: Built) -> None:
     """A token-in scripted model drives the real harness (prime_composer.orchestrator.agent_harness)
     through ``RolloutRunner``: the oracle's one ``write_file`` call restores the feature (1.0), an
