@@ -97,7 +97,9 @@ class SandboxConfig(BaseConfig):
 
     hidden_paths: list[Path] = Field(default_factory=lambda: [Path("/root"), Path("/home"), Path("/run")])
     """Folders replaced by an empty read-only folder inside the sandbox (home folders, sockets of
-    local services). Paths that do not exist are skipped."""
+    local services). Paths that do not exist are skipped. A folder inside an exposed one (such as
+    the base interpreter's ``site-packages``, exposed with the Python environment) is covered after
+    the exposed folder is bound back."""
 
     exposed_paths: list[Path] = Field(default_factory=list)
     """Folders under ``hidden_paths`` made visible again, read-only, at the same path. The Python

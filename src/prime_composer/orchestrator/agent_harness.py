@@ -127,6 +127,8 @@ class AgentHarness(vf.Harness[AgentHarnessConfig]):
                 f"task {trace.task.type} has AgentTaskData but its state is {type(trace.state).__name__}: "
                 "declare it as vf.Task[<data>, AgentState] so scoring can see the workspace"
             )
+        if trace.state.tools is not None:  # the task's setup provisioned the episode
+            return trace.state.tools
         loop = self.config.loop
         sandbox = await asyncio.to_thread(shared_sandbox, loop.sandbox)
         workspace = await asyncio.to_thread(sandbox.workspace, source_dir(task.files))

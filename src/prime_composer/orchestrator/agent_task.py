@@ -32,7 +32,7 @@ import verifiers.v1 as vf
 from pydantic import ConfigDict, Field
 
 from prime_composer.config.sandbox import ALL_TOOLS, SandboxConfig, ToolName
-from prime_composer.sandbox import Sandbox, Workspace
+from prime_composer.sandbox import Sandbox, Toolset, Workspace
 
 
 class AgentTaskData(vf.TaskData):
@@ -57,6 +57,10 @@ class AgentState(vf.State):
     sandbox: Sandbox | None = None
     workspace: Workspace | None = None
     """The episode's workspace as the model left it (deleted after scoring)."""
+    tools: Toolset | None = None
+    """Set by a task whose ``setup`` provisions its episode itself (its own sandbox, with more
+    hidden than the harness's: feature-deletion); the harness then runs this toolset, on
+    ``workspace``, instead of making both from ``files``."""
 
 
 def is_agent_taskset(taskset_type: type[vf.Taskset]) -> bool:

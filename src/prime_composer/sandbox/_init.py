@@ -167,7 +167,10 @@ def _setup_mounts(libc, spec: dict) -> None:
         _mount(libc, f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
         _mount(libc, None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
         os.close(fd)
-    for hidden in spec["hide"]:
+    # Hidden folders inside an exposed one (a base interpreter's site-packages) exist only now.
+    for hidden in spec.get("hide_inside", ()):
+        _mount(libc, "tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
+    for hidden in [*spec["hide"], *spec.get("hide_inside", ())]:
         _mount(libc, None, hidden, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     for target in spec["tmp_targets"]:
         _mount(libc, spec["tmp_source"], target, None, MS_BIND)

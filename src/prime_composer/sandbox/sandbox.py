@@ -131,7 +131,9 @@ class Sandbox:
         self.root_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         self.root_dir = self.root_dir.resolve()
         self._python_env = Path(config.python_env or sys.prefix)
-        self._hide, self._expose, self._tmp_targets = self._mount_plan(check_root_dir=is_root)
+        self._hide, self._expose, self._hide_inside, self._tmp_targets = self._mount_plan(
+            check_root_dir=is_root
+        )
         self._ids = IdPool(self.root_dir / ".uids", config.uid_base, config.num_uids)
         self._ids.sweep(self.root_dir)
         self._executor = ThreadPoolExecutor(config.max_concurrent_runs, thread_name_prefix="sandbox")
@@ -274,6 +276,7 @@ class Sandbox:
             "rlimits": rlimits,
             "umask": 0o022,
             "hide": self._hide,
+            "hide_inside": self._hide_inside,
             "expose": self._expose,
             "tmp_source": str(workspace.tmp),
             "tmp_targets": self._tmp_targets,
@@ -321,8 +324,9 @@ class Sandbox:
             return f"a probe run of /bin/true ended with {result.exit_code or result.signal}: {result.stderr}"
         return None
 
-    def _mount_plan(self, *, check_root_dir: bool) -> tuple[list[str], list[str], list[str]]:
-        """Which folders to cover, to re-expose under them, and to replace with the workspace's tmp."""
+    def _mount_plan(self, *, check_root_dir: bool) -> tuple[list[str], list[str], list[str], list[str]]:
+        """Which folders to cover, to re-expose under them, to cover inside what was re-exposed
+        (e.g. a base interpreter's site-packages), and to replace with the workspace's tmp."""
         hide = sorted(
             {os.path.realpath(p) for p in self.config.hidden_paths if os.path.isdir(p)},
         )
@@ -337,19 +341,22 @@ class Sandbox:
                 if any(real != h and real.startswith(h + "/") for h in hide)
             }
         )
+        hide_inside = [h for h in hide if any(h != e and h.startswith(e + "/") for e in expose)]
+        # A folder under another hidden one (and not re-exposed) is hidden already.
+        hide = [h for h in hide if h not in hide_inside and not any(h.startswith(o + "/") for o in hide)]
         tmp_targets = [
             real
             for real in dict.fromkeys(os.path.realpath(p) for p in self.config.private_tmp_paths)
             if os.path.isdir(real) and not any(real == h or real.startswith(h + "/") for h in hide)
         ]
         root = str(self.root_dir)
-        for covered in [*hide, *tmp_targets] if check_root_dir else []:
+        for covered in [*hide, *hide_inside, *tmp_targets] if check_root_dir else []:
             if root == covered or root.startswith(covered + "/"):
                 raise ValueError(
                     f"sandbox.root_dir {root!r} lies under {covered!r}, which is replaced inside the "
                     "sandbox; choose a root_dir elsewhere"
                 )
-        return hide, expose, tmp_targets
+        return hide, expose, hide_inside, tmp_targets
 
 
 def _result(

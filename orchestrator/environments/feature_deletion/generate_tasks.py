@@ -1,0 +1,11 @@
+"""`uv run python orchestrator/environments/feature_deletion/generate_tasks.py --help` (see README.md)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from feature_deletion.cli import generate_main
+
+if __name__ == "__main__":
+    raise SystemExit(generate_main())
