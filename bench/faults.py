@@ -14,6 +14,7 @@ says the damaged input was accepted) — the number that must be 0.
 
     uv run python bench/faults.py            # ~12 min (kills and resumes real runs)
     uv run python bench/faults.py --fast     # without the end-to-end scenarios, ~3 min
+    uv run python bench/faults.py --from-report ci.xml   # the table from a full run's JUnit report
 """
 
 from __future__ import annotations
@@ -35,7 +36,16 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--fast", action="store_true", help="leave out the slow (end-to-end) scenarios")
+    parser.add_argument(
+        "--from-report",
+        type=Path,
+        help="summarize an existing JUnit XML report (e.g. of a full `pytest --junitxml=...` run) "
+        "instead of running the scenarios; only its tests/faults cases count",
+    )
     args = parser.parse_args()
+    if args.from_report is not None:
+        summarize(args.from_report)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "faults.xml"
         command = [
@@ -51,28 +61,37 @@ def main() -> None:
         if args.fast:
             command += ["-m", "not slow"]
         subprocess.run(command, cwd=REPO)
-        cases = ET.parse(report).getroot().iter("testcase")
-        rows: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
-        failures = []
-        for case in cases:
-            where = case.get("classname", "?").rsplit(".", 1)[-1]
-            problem = case.find("failure")
-            if problem is None:
-                problem = case.find("error")
-            if case.find("skipped") is not None:
-                failures.append(
-                    f"{where}::{case.get('name')}: skipped (a skipped scenario does not count as survived)"
-                )
-                rows[where][0] += 1
-                continue
+        summarize(report)
+
+
+def summarize(report: Path) -> None:
+    """The table and the last line, from the JUnit XML report of a run that included tests/faults."""
+    cases = [
+        case
+        for case in ET.parse(report).getroot().iter("testcase")
+        if case.get("classname", "").startswith("tests.faults.")
+    ]
+    rows: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    failures = []
+    for case in cases:
+        where = case.get("classname", "?").rsplit(".", 1)[-1]
+        problem = case.find("failure")
+        if problem is None:
+            problem = case.find("error")
+        if case.find("skipped") is not None:
+            failures.append(
+                f"{where}::{case.get('name')}: skipped (a skipped scenario does not count as survived)"
+            )
             rows[where][0] += 1
-            if problem is None:
-                rows[where][1] += 1
-                continue
-            text = (problem.get("message") or "") + (problem.text or "")
-            if any(marker in text for marker in SILENT_MARKERS):
-                rows[where][2] += 1
-            failures.append(f"{where}::{case.get('name')}: {(problem.get('message') or '').splitlines()[:1]}")
+            continue
+        rows[where][0] += 1
+        if problem is None:
+            rows[where][1] += 1
+            continue
+        text = (problem.get("message") or "") + (problem.text or "")
+        if any(marker in text for marker in SILENT_MARKERS):
+            rows[where][2] += 1
+        failures.append(f"{where}::{case.get('name')}: {(problem.get('message') or '').splitlines()[:1]}")
     print(f"{'scenario file':32s} {'scenarios':>9s} {'survived':>8s} {'silent':>6s}")
     for where, (total, survived, silent) in sorted(rows.items()):
         print(f"{where:32s} {total:9d} {survived:8d} {silent:6d}")
