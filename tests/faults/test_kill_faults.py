@@ -1,5 +1,6 @@
 """SIGKILL of each process at a random point of a step (the trainer mid-checkpoint included), then
-``--resume``: no step lost or repeated, and the final weights equal an uninterrupted run's.
+``--resume``: no step lost or repeated, and the final weights equal an uninterrupted run's (the
+trainer's case is the project's bit-exact resume test).
 
 The run is made deterministic (on-policy, seeded sampling, one sequence at a time in the server),
 so "equal" is a real check of nothing lost: a step trained twice, skipped, or resumed from
@@ -9,6 +10,7 @@ partial state would end on other weights.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 import signal
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from prime_composer.transport.weights import load_weights
 
@@ -89,7 +92,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     out = tmp_path_factory.mktemp("reference")
     proc = run_rl(out, *DETERMINISTIC)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return load_weights(out / "broadcasts" / f"step_{NUM_STEPS}")
+    final = load_weights(out / "broadcasts" / f"step_{NUM_STEPS}")
+    # RL did train (nonzero losses, weights moved from the warm-up's), so "equal final weights"
+    # compares trained models, not untouched ones.
+    losses = [
+        json.loads(line)["loss/total"]
+        for line in (out / "metrics" / "trainer.jsonl").read_text().splitlines()
+    ]
+    assert any(loss != 0.0 for loss in losses)
+    start = load_file(out / "sft" / "final" / "model.safetensors")
+    assert any(not torch.equal(start[k], final[k]) for k in final.keys() & start.keys())
+    return final
 
 
 def kill_and_resume(out: Path, victim: str, when, poll: float = 0.05) -> str:
@@ -108,6 +121,7 @@ def kill_and_resume(out: Path, victim: str, when, poll: float = 0.05) -> str:
             launcher.kill()
     assert launcher.returncode != 0, output[-2000:]
     assert f"{victim} exited with code -9" in output, output[-2000:]
+    assert "--resume" in output, output[-2000:]  # the launcher says how to continue
     resumed = run_rl(out, *DETERMINISTIC, "--resume")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout
