@@ -45,7 +45,9 @@ def test_a_destroyed_policy_stops_the_run(tmp_path: Path) -> None:
     proc = _helpers.run_rl(tmp_path, *warm, "--ckpt.interval", "0", "--trainer.optim.lr", "1e9", timeout=600)
     assert proc.returncode != 0 and "rl: done" not in proc.stdout
     logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
-    # Either the trainer sees the loss go non-finite, or the huge (finite) weights it published
-    # make every rollout fail (the server refuses non-finite logits): both stop the run.
-    assert "diverged" in logs or "rollouts failed" in logs, logs[-3000:]
+    # The trainer sees the loss go non-finite, or the huge (finite) weights it published make
+    # every rollout fail (the server refuses non-finite logits), or the garbage policy earns
+    # nothing any more: each stops the run, saying which.
+    reasons = ("diverged", "rollouts failed", "no sample to train on")
+    assert any(reason in logs for reason in reasons), logs[-3000:]
     assert "would stop the same way" in proc.stdout
