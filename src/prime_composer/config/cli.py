@@ -188,12 +188,13 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted leaves; lists and empty tables are leaves (``[ckpt]`` alone is ``{"ckpt": {}}``)."""
     flat: dict[str, Any] = {}
     for key, value in values.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict) and value:
-            flat.update(_flatten(value, dotted + "."))
+            flat.update(flatten(value, dotted + "."))
         else:
             flat[dotted] = value
     return flat
@@ -249,7 +250,7 @@ def load_file(path: Path, *, origin: str, _stack: tuple[Path, ...] = ()) -> Laye
         layer.values = _deep_merge(layer.values, sub.values)
         layer.origins.update(sub.origins)
     layer.values = _deep_merge(layer.values, data)
-    layer.origins.update({k: str(path) for k in _flatten(data)})
+    layer.origins.update({k: str(path) for k in flatten(data)})
     return layer
 
 
@@ -289,7 +290,7 @@ def env_layer(model: type[BaseModel], prefix: str) -> Layer:
         ) from None
     origins = {
         dotted: f"environment variable {prefix}{dotted.replace('.', '__').upper()}"
-        for dotted in _flatten(values)
+        for dotted in flatten(values)
     }
     return Layer(values=values, origins=origins)
 

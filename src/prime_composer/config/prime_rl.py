@@ -38,7 +38,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from prime_composer.config.cli import origin_of, resolve_field
+from prime_composer.config.cli import flatten, origin_of, resolve_field
 from prime_composer.config.errors import ConfigError
 from prime_composer.config.prime_rl_rules import RULES, SEATS, Kind, Rule
 
@@ -116,7 +116,7 @@ class PrimeRLNames:
 class _Translator:
     def __init__(self, values: dict[str, Any], origins: dict[str, str], model: type[BaseModel]) -> None:
         self.model = model
-        self.flat = _flatten(values)
+        self.flat = flatten(values)
         self.origins = dict(origins)
         self.out: dict[str, Any] = {}
         """Our keys set by translation (checked against each other and the user's own)."""
@@ -240,7 +240,7 @@ class _Translator:
                 self._eval_source({**defaults, **source}, f"{list_key}[{i}]", origin, envs)
 
     def _source(self, source: dict[str, Any], where: str, origin: str, train: bool) -> dict[str, Any]:
-        flat = _flatten(source)
+        flat = flatten(source)
         taskset = _taskset(source, where, origin)
         entry: dict[str, Any] = {"id": taskset.pop("id")}
         if taskset:
@@ -390,7 +390,7 @@ class _Translator:
                 f"eval_args of the orchestrator.env entry {env_id!r}",
             )
         )
-        for key, value in _flatten(source).items():
+        for key, value in flatten(source).items():
             full = f"{where}.{key}"
             if key.startswith(("env.taskset", "taskset")) or key in ("name",):
                 continue
@@ -570,18 +570,6 @@ def _as_tables(value: Any, key: str, origin: str) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         raise ConfigError(f"{origin}: {key} must be a list of tables ([[{key}]])")
     return value
-
-
-def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Dotted leaves; lists and empty tables are leaves (``[ckpt]`` alone is ``{"ckpt": {}}``)."""
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, dotted + "."))
-        else:
-            flat[dotted] = value
-    return flat
 
 
 def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
