@@ -41,8 +41,11 @@ def test_every_rollout_failing_stops_the_run(tmp_path: Path) -> None:
 def test_a_destroyed_policy_stops_the_run(tmp_path: Path) -> None:
     # A short warm-up, so that rewards differ within groups and the first step really trains
     # (from the random model every group is all zeros and nothing would be trained on at all).
-    warm = ("--max-steps", "4", "--warmup.max-steps", "20", "--orchestrator.eval.interval", "0")
-    proc = _helpers.run_rl(tmp_path, *warm, "--ckpt.interval", "0", "--trainer.optim.lr", "1e9", timeout=600)
+    # Steps to spare: a step whose groups all tie trains nothing, and each stop needs a few bad
+    # steps in a row (synchronous, so that the first bad weights reach the very next rollouts).
+    warm = ("--max-steps", "12", "--max-async-level", "0", "--warmup.max-steps", "20")
+    quiet = ("--orchestrator.eval.interval", "0", "--ckpt.interval", "0")
+    proc = _helpers.run_rl(tmp_path, *warm, *quiet, "--trainer.optim.lr", "1e9", timeout=600)
     assert proc.returncode != 0 and "rl: done" not in proc.stdout
     logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
     # The trainer sees the loss go non-finite, or the huge (finite) weights it published make

@@ -212,10 +212,18 @@ def test_three_tiny_teachers_and_faulty_ones_make_pairs_within_budget(tmp_path):
         )
         tokenizer_eos = tokenizer_eos or pair.chosen_ids[-1]
         assert pair.chosen_ids[-1] == pair.rejected_ids[-1] == tokenizer_eos
-    # Votes at the first wrong step (ls): two tiny teachers and the slow one for pytest, tiny-c for cat.
+    # Votes at the first wrong step (ls): everyone who answered voted as fine-tuned (the two tiny
+    # teachers and the slow one for pytest, tiny-c for cat). Which calls the run cap cut off
+    # depends on timing; the provenance names each teacher's outcome, and only answers vote.
     first_steps = [p for p in pairs if p.turn_index == 1]
     assert first_steps
     for pair in first_steps:
-        votes = sorted(sorted(teachers) for teachers in pair.provenance["votes"].values())
-        assert votes == [["slow", "tiny-a", "tiny-b"], ["tiny-c"]]
-        assert pair.vote_share == 0.75 and pair.label_smoothing == 0.25
+        clusters = pair.provenance["votes"]
+        answered = {t for t, o in pair.provenance["outcomes"].items() if o in ("ok", "cache_hit")}
+        assert {t for ts in clusters.values() for t in ts} == answered, pair.provenance
+        for_pytest = [ts for key, ts in clusters.items() if "pytest -q" in key]
+        for_cat = [ts for key, ts in clusters.items() if "cat calc/calc.py" in key]
+        assert len(for_pytest) == 1 and set(for_pytest[0]) <= {"slow", "tiny-a", "tiny-b"}, clusters
+        assert all(set(ts) <= {"tiny-c"} for ts in for_cat), clusters
+        assert len(for_pytest) + len(for_cat) == len(clusters), clusters
+        assert pair.vote_share == pytest.approx(len(for_pytest[0]) / len(answered))
