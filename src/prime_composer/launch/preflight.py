@@ -9,6 +9,7 @@ one ``ConfigError`` (the launcher exits 2).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import socket
@@ -62,6 +63,11 @@ def _secret_problems(config: RLConfig) -> list[str]:
 
 def _model_problems(config: RLConfig) -> list[str]:
     name = config.model.name
+    if config.model.gguf_file is not None and importlib.util.find_spec("gguf") is None:
+        return [
+            f"model.gguf_file = '{config.model.gguf_file}' needs the gguf package: "
+            "uv sync --extra smollm2 (or pip install gguf)"
+        ]
     if name.startswith("builtin:"):
         return []
     path = Path(name).expanduser()

@@ -7,11 +7,15 @@ from pathlib import Path
 from prime_composer.integrity import MANIFEST_NAME, verify_manifest
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS = ("tiny-qwen3",)
+BUILTIN_MODELS = ("tiny-qwen3", "smollm2-135m-instruct")
+SMOLLM2 = BUILTIN_PREFIX + "smollm2-135m-instruct"
+"""SmolLM2-135M-Instruct from the GGUF file on PyPI (``model/smollm2.py``; the ``smollm2`` extra)."""
 
 
 def resolve_model_name(name: str) -> str:
-    """Hub ids and local paths pass through; ``builtin:tiny-qwen3`` is built once and cached.
+    """Hub ids and local paths pass through; ``builtin:tiny-qwen3`` is built once and cached;
+    ``builtin:smollm2-135m-instruct`` is the folder holding SmolLM2's GGUF file (downloaded from
+    PyPI once; the config sets ``model.gguf_file`` to it).
 
     A local directory that holds ``MANIFEST.json`` (one this project wrote: the warm-up's
     ``sft/final``, an export) is checked against it first, so a damaged file is an error naming it
@@ -26,6 +30,10 @@ def resolve_model_name(name: str) -> str:
         from prime_composer.model.tiny import build_tiny_model
 
         return str(build_tiny_model())
+    if builtin == "smollm2-135m-instruct":
+        from prime_composer.model.smollm2 import smollm2_dir
+
+        return str(smollm2_dir())
     raise ValueError(
         f"model.name = {name!r}: unknown built-in model; choose one of "
         + ", ".join(BUILTIN_PREFIX + b for b in BUILTIN_MODELS)
