@@ -129,3 +129,20 @@ def test_native_code_and_links_are_refused(tmp_path: Path) -> None:
     (root / "demo" / "link.py").symlink_to("/etc/passwd")
     with pytest.raises(corpus.ProjectError, match="symlink"):
         corpus.make_tree(spec(), root, tmp_path / "tree2")
+
+
+def test_baseline_outcomes_are_classified_by_what_every_run_agrees_on() -> None:
+    runs = [
+        {"a": "passed", "b": "failed", "c": "xpassed", "d": "xfailed", "e": "skipped", "f": "passed",
+         "p[1]": "passed", "p[2]": "passed", "g": "error"},
+        {"a": "passed", "b": "failed", "c": "xpassed", "d": "xfailed", "e": "skipped", "f": "failed",
+         "p[1]": "passed", "p[3]": "passed", "g": "error"},
+    ]  # fmt: skip
+    passed, skipped, flaky, failing = corpus.classify(runs)
+    assert passed == ["a"]
+    # An xfail-marked test is never relied on, whether it failed as expected or passed anyway (a
+    # non-strict xfail that passes, e.g. sqlparse's test_issue484_comments_and_newlines).
+    assert skipped == ["c", "d", "e"]
+    # f passed once; p[2] and p[3] were collected in one run each, so p[1] cannot be trusted either.
+    assert sorted(flaky) == ["f", "p[1]", "p[2]", "p[3]"]
+    assert failing == ["b", "g"]

@@ -98,7 +98,7 @@ class Project(BaseModel):
     passed: list[str]
     """Tests that passed in every baseline run: the only ones tasks use."""
     skipped: list[str]
-    """Tests skipped (or xfailed) in every run, e.g. for a missing optional dependency."""
+    """Tests skipped or marked ``xfail`` in every run, e.g. for a missing optional dependency."""
     flaky: list[str]
     failing: list[str]
     """Tests that failed or errored in every run (never used)."""
@@ -325,6 +325,33 @@ def baseline(
     return results, min(durations)
 
 
+def classify(outcomes: list[dict[str, str]]) -> tuple[list[str], list[str], list[str], list[str]]:
+    """``(passed, skipped, flaky, failing)`` from the baseline runs' outcomes (test id -> outcome).
+
+    *Passed* in every run: the only tests tasks use. *Skipped*: skipped or marked ``xfail`` in
+    every run, whether the expected failure happened (``xfailed``) or not (``xpassed``, a
+    non-strict xfail that passes): the project itself says not to rely on it. *Flaky*: passed in
+    some runs only, collected in some runs only, or a case of a parametrized test whose ids change
+    between runs. *Failing*: the rest (failed or errored)."""
+    tests = sorted(set().union(*(o.keys() for o in outcomes)))
+    passed = [t for t in tests if all(o.get(t) == "passed" for o in outcomes)]
+    skipped = [t for t in tests if all(o.get(t) in ("skipped", "xfailed", "xpassed") for o in outcomes)]
+    flaky = [
+        t
+        for t in tests
+        if t not in passed
+        and t not in skipped
+        and (any(o.get(t) == "passed" for o in outcomes) or any(t not in o for o in outcomes))
+    ]
+    # A test function whose parametrized ids are unstable may give any of its ids to another case
+    # next time: none of its ids can be relied on.
+    unstable = {t.split("[", 1)[0] for t in flaky if "[" in t}
+    flaky += [t for t in passed if t.split("[", 1)[0] in unstable]
+    passed = [t for t in passed if t.split("[", 1)[0] not in unstable]
+    failing = [t for t in tests if t not in passed and t not in skipped and t not in flaky]
+    return passed, skipped, flaky, failing
+
+
 def record(sandbox: Sandbox, spec: ProjectSpec, tree: Path, out: Path, limits: LimitsConfig) -> float:
     """Run the suite under the recorder; copy its output to ``out``; the wall time."""
     with sandbox.workspace(tree) as ws:
@@ -378,22 +405,7 @@ def build_project(
                 )
         outcomes, suite_s = baseline(sandbox, spec, tree, limits)
         tests = sorted(set().union(*(o.keys() for o in outcomes)))
-        passed = [t for t in tests if all(o.get(t) == "passed" for o in outcomes)]
-        skipped = [t for t in tests if all(o.get(t) in ("skipped", "xfailed") for o in outcomes)]
-        # Flaky: passed in some run only, or collected in some runs only (unstable test ids).
-        flaky = [
-            t
-            for t in tests
-            if t not in passed
-            and t not in skipped
-            and (any(o.get(t) == "passed" for o in outcomes) or any(t not in o for o in outcomes))
-        ]
-        # A test function whose parametrized ids are unstable may give any of its ids to another
-        # case next time: none of its ids can be relied on.
-        unstable = {t.split("[", 1)[0] for t in flaky if "[" in t}
-        flaky += [t for t in passed if t.split("[", 1)[0] in unstable]
-        passed = [t for t in passed if t.split("[", 1)[0] not in unstable]
-        failing = [t for t in tests if t not in passed and t not in skipped and t not in flaky]
+        passed, skipped, flaky, failing = classify(outcomes)
         num_run = len(passed) + len(flaky) + len(failing)
         rate = len(passed) / num_run if num_run else 0.0
         if not passed or len(failing) > (1 - min_pass_rate) * num_run:
