@@ -13,13 +13,15 @@ renamed into place, so a reader never sees half a model.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
@@ -40,30 +42,83 @@ def save_hf_directory(model: Any, tokenizer: Any, path: Path, world: World) -> P
     state_dict = full_state_dict(model)
     if world.is_main:
         _retie(model, state_dict)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
-        try:
+
+        def write(tmp: Path) -> None:
             model.save_pretrained(tmp, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
-            for entry in tmp.iterdir():
-                if entry.is_file():
-                    entry.chmod(0o644)  # readable by a server running as another user
-                    with open(entry, "rb") as f:
-                        os.fsync(f.fileno())
-            tmp.chmod(0o755)  # mkdtemp makes it private
-            # The next stage (RL after the warm-up) checks the files against it when it loads them.
-            write_manifest(tmp).chmod(0o644)
-            if path.exists():
-                stale = Path(tempfile.mkdtemp(prefix=f".stale-{path.name}-", dir=path.parent))
-                os.replace(path, stale / "old")
-                shutil.rmtree(stale, ignore_errors=True)
-            os.replace(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+        _write_directory(path, write)
         logger.info("saved the model and tokenizer to %s", path)
     world.barrier()
     return path
+
+
+def save_lora_directory(model: Any, tokenizer: Any, path: Path, world: World, merged: bool) -> Path:
+    """Save a LoRA policy (a ``peft.PeftModel``, sharded or not) to ``path``: with ``merged`` as a
+    plain Hugging Face model whose adapted weights are ``W0 + scale * B @ A`` (loads with
+    ``AutoModelForCausalLM.from_pretrained``), otherwise as peft's adapter directory
+    (``adapter_config.json``, ``adapter_model.safetensors``; ``PeftModel.from_pretrained`` on the
+    base). The tokenizer goes with either. Collective under FSDP; only rank 0 writes."""
+    from safetensors.torch import save_file
+
+    from prime_composer.trainer.lora import adapter_config, adapter_state_dict
+    from prime_composer.transport.adapter import PEFT_PREFIX, Adapter, merged_weights
+    from prime_composer.transport.weights import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
+
+    adapter = Adapter(adapter_state_dict(model), adapter_config(model))
+    state = full_state_dict(model) if merged else {}
+    if world.is_main:
+        single = World(rank=0, world_size=1, local_rank=0, device=world.device)
+        if merged:
+            from transformers import AutoModelForCausalLM
+
+            # peft's keys back to the base model's: drop the wrapper prefix and ``.base_layer``.
+            base = {
+                key.removeprefix(PEFT_PREFIX).replace(".base_layer.", "."): tensor
+                for key, tensor in state.items()
+                if ".lora_" not in key
+            }
+            base.update(merged_weights(base, adapter))
+            plain = AutoModelForCausalLM.from_config(model.config, dtype=next(iter(base.values())).dtype)
+            plain.load_state_dict(base, strict=True)
+            save_hf_directory(plain, tokenizer, path, single)
+        else:
+
+            def write(tmp: Path) -> None:
+                save_file(adapter.state_dict, str(tmp / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+                (tmp / ADAPTER_CONFIG_NAME).write_text(
+                    json.dumps(adapter.config, indent=2, sort_keys=True) + "\n"
+                )
+                tokenizer.save_pretrained(tmp)
+
+            _write_directory(path, write)
+        logger.info("saved the LoRA policy (%s) to %s", "merged" if merged else "adapter", path)
+    world.barrier()
+    return path
+
+
+def _write_directory(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` into a hidden temporary directory, then fsync, manifest, rename to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
+    try:
+        write(tmp)
+        for entry in tmp.iterdir():
+            if entry.is_file():
+                entry.chmod(0o644)  # readable by a server running as another user
+                with open(entry, "rb") as f:
+                    os.fsync(f.fileno())
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        # The next stage (RL after the warm-up) checks the files against it when it loads them.
+        write_manifest(tmp).chmod(0o644)
+        if path.exists():
+            stale = Path(tempfile.mkdtemp(prefix=f".stale-{path.name}-", dir=path.parent))
+            os.replace(path, stale / "old")
+            shutil.rmtree(stale, ignore_errors=True)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _retie(model: nn.Module, state_dict: dict) -> None:
@@ -89,12 +144,25 @@ FINAL_DIR = "final"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def export_final(model: Any, tokenizer: Any, output_dir: Path, world: World) -> Path:
+def export_final(
+    model: Any,
+    tokenizer: Any,
+    output_dir: Path,
+    world: World,
+    lora: Literal["merged", "adapter"] | None = None,
+) -> Path:
     """Write ``<output_dir>/final/`` (weights, config, tokenizer and chat template) and its model
-    card. Collective under FSDP, like ``save_hf_directory``."""
+    card. Collective under FSDP, like ``save_hf_directory``.
+
+    ``lora`` (a LoRA run's ``trainer.model.lora.export``): ``merged`` writes the plain model with
+    the adapter folded in, ``adapter`` the peft adapter directory with the tokenizer."""
     from prime_composer.trainer.model_card import write_model_card
 
-    path = save_hf_directory(model, tokenizer, Path(output_dir) / FINAL_DIR, world)
+    path = Path(output_dir) / FINAL_DIR
+    if lora is None:
+        save_hf_directory(model, tokenizer, path, world)
+    else:
+        save_lora_directory(model, tokenizer, path, world, merged=lora == "merged")
     if world.is_main:
         write_model_card(path, output_dir)
     world.barrier()
