@@ -15,6 +15,9 @@ up) with:
   requests that leave a knob unset are sampled (Qwen3 ships top_k=20, top_p=0.95);
 - ``--trust-request-chat-template`` only with ``inference.allow_client_chat_template``: vLLM
   refuses templates sent by clients otherwise, as the ``hf`` backend does;
+- ``--enable-lora --max-lora-rank R --max-loras 1`` when ``inference.vllm.max_lora_rank`` is set
+  (``rl`` sets it for a LoRA run): published adapter steps are loaded through vLLM's LoRA loading
+  (``admin``) instead of replacing the weights;
 - ``--enable-auto-tool-choice --tool-call-parser <vLLM's name>`` for ``inference.tool_call_parser``
   (``prime_composer.tool_calls`` names vLLM's parser of the same format): tool calls come back in
   ``message.tool_calls``. With ``required`` or a named function vLLM constrains decoding to the
@@ -86,6 +89,9 @@ _RESERVED_OPTIONS = {
     "--generation-config": "(set by the backend: request defaults must not depend on the model)",
     "--trust-request-chat-template": "inference.allow_client_chat_template",
     "--enable-auto-tool-choice": "inference.tool_call_parser",
+    "--enable-lora": "trainer.model.lora (rl sets inference.vllm.max_lora_rank from it)",
+    "--max-lora-rank": "trainer.model.lora.rank",
+    "--max-loras": "(set by the backend: one adapter, the trainer's newest, is served)",
     "--tool-call-parser": "inference.tool_call_parser",
 }
 
@@ -175,6 +181,8 @@ def build_vllm_command(config: InferenceConfig, model_dir: str) -> list[str]:
     if config.tool_call_parser is not None:
         parser = get_parser(config.tool_call_parser)
         command += ["--enable-auto-tool-choice", "--tool-call-parser", parser.vllm_name]
+    if config.vllm.max_lora_rank is not None:
+        command += ["--enable-lora", "--max-lora-rank", str(config.vllm.max_lora_rank), "--max-loras", "1"]
     return command + list(config.vllm.extra_args)
 
 
