@@ -326,5 +326,10 @@ def test_launch_enables_lora_with_the_trainers_rank() -> None:
     i = command.index("--enable-lora")
     assert command[i : i + 5] == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"]
     assert "--enable-lora" not in build_vllm_command(InferenceConfig(backend="vllm"), "/m")
+    # vLLM accepts only some maximum ranks: the smallest that covers the adapter's
+    command = build_vllm_command(InferenceConfig(backend="vllm", vllm=VLLMConfig(max_lora_rank=4)), "/m")
+    assert command[command.index("--max-lora-rank") + 1] == "8"
+    with pytest.raises(ValueError, match="up to rank 512"):
+        build_vllm_command(InferenceConfig(backend="vllm", vllm=VLLMConfig(max_lora_rank=600)), "/m")
     with pytest.raises(ValueError, match=r"trainer\.model\.lora\.rank"):
         check_extra_args(["--max-lora-rank=8"])

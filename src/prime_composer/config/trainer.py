@@ -26,8 +26,7 @@ class LoraConfig(BaseConfig):
     """Train adapters; the section's presence turns LoRA on, ``enabled = false`` turns it off again."""
 
     rank: int = Field(default=16, ge=1, le=1024)
-    """Rank ``r`` of every adapter (vLLM serves it with ``--max-lora-rank``; it accepts 8, 16, 32,
-    64, 128, 256, 320 and 512)."""
+    """Rank ``r`` of every adapter (the ``vllm`` backend serves ranks up to 512)."""
 
     alpha: float = Field(default=32.0, gt=0)
     """Scale numerator: the update is ``(alpha / rank) * B @ A``."""
