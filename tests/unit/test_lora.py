@@ -323,3 +323,42 @@ def test_target_that_matches_nothing_names_the_key_and_the_layers() -> None:
         apply_lora(_base(), LoraConfig(target_modules=("q_proj", "qkv_proj")))
     with pytest.raises(ConfigError, match="only linear layers"):
         apply_lora(_base(), LoraConfig(target_modules=("input_layernorm",)))
+
+
+def test_rl_export_merges_a_lora_checkpoint_or_a_published_adapter(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from prime_composer.trainer.export import checkpoint_kind, to_hf_directory
+
+    base_config = ModelConfig(name="builtin:tiny-qwen3", dtype="float32")
+    model = _lora_model()
+    optimizer, scheduler = build_optimizer(model, OptimConfig(), 2)
+    record = lora_record(base_config.name, base_fingerprint(_base()), LORA)
+    CheckpointManager(tmp_path / "ckpt", keep=1, world=WORLD).save(
+        1, model, optimizer, scheduler, extra={"lora": record}
+    )
+    published = publish_adapter(adapter_state_dict(model), adapter_config(model), tmp_path / "broadcasts", 1)
+    assert checkpoint_kind(published) == "adapter" and checkpoint_kind(tmp_path / "ckpt" / "step_1") == "dcp"
+
+    ids = torch.randint(5, 400, (1, 10), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    for name, source in (("from_ckpt", tmp_path / "ckpt" / "step_1"), ("from_adapter", published)):
+        out = to_hf_directory(source, base_config, tmp_path / name)
+        exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        with torch.no_grad():
+            torch.testing.assert_close(exported(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+    # a LoRA checkpoint exported onto another base is refused
+    other = tmp_path / "other-base"
+    changed = _base()
+    with torch.no_grad():
+        changed.model.layers[0].mlp.up_proj.weight.mul_(1.01)
+    changed.save_pretrained(other)
+    from transformers import AutoTokenizer
+
+    from prime_composer.model.resolve import resolve_model_name
+
+    AutoTokenizer.from_pretrained(resolve_model_name("builtin:tiny-qwen3")).save_pretrained(other)
+    with pytest.raises(ValueError, match="another base model"):
+        to_hf_directory(tmp_path / "ckpt" / "step_1", ModelConfig(name=str(other)), tmp_path / "bad")

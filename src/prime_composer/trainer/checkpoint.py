@@ -314,24 +314,27 @@ def _check_states(states: dict[str, Any] | None) -> dict[str, Any]:
     return states
 
 
+def trained_model_state(model: nn.Module) -> dict[str, Any]:
+    """The model's state for DCP without its frozen parameters (what a checkpoint holds)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    # A frozen tied alias (a tied output head) survives ignore_frozen_params under its second name.
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if not param.requires_grad:
+            state.pop(name, None)
+    return state
+
+
 def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Model and optimizer state keyed by parameter name (plain tensors, or DTensor shards).
 
     Frozen parameters are left out: they never change, so a LoRA run stores its adapter only (the
     run records which base it adapts); with full fine-tuning nothing is frozen."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    model_state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
-    # A frozen tied alias (a tied output head) survives ignore_frozen_params under its second name.
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if not param.requires_grad:
-            model_state.pop(name, None)
     return {
-        "model": model_state,
+        "model": trained_model_state(model),
         # Names, not positions, key the optimizer state, so it survives resharding.
         "optimizer": get_optimizer_state_dict(model, optimizer),
     }

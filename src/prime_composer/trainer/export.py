@@ -170,9 +170,14 @@ def export_final(
 
 
 def checkpoint_kind(path: Path) -> str:
-    """``hf`` (a model directory with its tokenizer), ``weights`` (a published ``broadcasts/step_N``)
-    or ``dcp`` (a trainer checkpoint: ``checkpoints/step_N`` or its ``trainer/`` part)."""
+    """``hf`` (a model directory with its tokenizer), ``weights`` (a published ``broadcasts/step_N``),
+    ``adapter`` (a LoRA adapter: a published step of a LoRA run or its exported adapter) or ``dcp``
+    (a trainer checkpoint: ``checkpoints/step_N`` or its ``trainer/`` part)."""
+    from prime_composer.transport.adapter import is_adapter
+
     path = Path(path)
+    if is_adapter(path):
+        return "adapter"
     if (path / "config.json").is_file() and any((path / name).is_file() for name in TOKENIZER_FILES):
         return "hf"
     if (path / "config.json").is_file() and (path / "STABLE").is_file():
@@ -182,14 +187,16 @@ def checkpoint_kind(path: Path) -> str:
     raise ValueError(
         f"{path} is not a checkpoint: expected a trainer checkpoint (checkpoints/step_N, holding "
         "trainer/model_optim), a published weights directory (broadcasts/step_N, holding config.json "
-        "and STABLE) or a Hugging Face model directory (config.json and a tokenizer)"
+        "and STABLE), a LoRA adapter (adapter_config.json) or a Hugging Face model directory "
+        "(config.json and a tokenizer)"
     )
 
 
 def to_hf_directory(checkpoint: Path, base: ModelConfig, out: Path) -> Path:
     """A Hugging Face directory for ``checkpoint``: the directory itself when it is one already,
     else ``out`` written from it (the tokenizer and chat template come from ``base``, the model the
-    run trained, which also gives the architecture a trainer checkpoint is loaded into)."""
+    run trained, which also gives the architecture a trainer checkpoint is loaded into). A LoRA
+    adapter or a LoRA run's checkpoint is merged into ``base``'s weights."""
     kind = checkpoint_kind(checkpoint)
     if kind == "hf":
         return Path(checkpoint)
@@ -208,26 +215,50 @@ def to_hf_directory(checkpoint: Path, base: ModelConfig, out: Path) -> Path:
         return out
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoModelForCausalLM
 
     from prime_composer.integrity import verify_manifest
+    from prime_composer.trainer.checkpoint import trained_model_state
 
+    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+    def load_base(dtype: Any) -> Any:
+        return AutoModelForCausalLM.from_pretrained(
+            resolve_model_name(base.name),
+            dtype=dtype,
+            revision=base.revision,
+            trust_remote_code=base.trust_remote_code,
+        )
+
+    if kind == "adapter":
+        from prime_composer.transport.adapter import load_adapter, merged_weights
+
+        model = load_base("auto")
+        weights = model.state_dict()
+        model.load_state_dict({**weights, **merged_weights(weights, load_adapter(checkpoint))})
+        return save_hf_directory(model, tokenizer, out, world)
     part = _dcp_dir(checkpoint)
     assert part is not None  # checkpoint_kind said dcp
     verify_manifest(part)
-    dtype = _dcp_dtype(part / "model_optim")
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_name(base.name), dtype=dtype, trust_remote_code=base.trust_remote_code
-    )
-    state = {"model": get_model_state_dict(model)}
+    model = load_base(_dcp_dtype(part / "model_optim"))
+    lora = json.loads((part / "meta.json").read_text()).get("extra", {}).get("lora")
+    if lora is not None:  # a LoRA run's checkpoint holds the adapter only: rebuild it on the base
+        from prime_composer.config.trainer import LoraConfig
+        from prime_composer.trainer.lora import apply_lora, base_fingerprint, check_base, lora_record
+
+        cfg = LoraConfig(rank=lora["rank"], alpha=lora["alpha"], target_modules=tuple(lora["target_modules"]))
+        check_base(lora, lora_record(base.name, base_fingerprint(model), cfg), f"the checkpoint {checkpoint}")
+        model = apply_lora(model, cfg)
+    state = {"model": trained_model_state(model)}  # what a checkpoint holds
     import warnings
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(part / "model_optim"), no_dist=True)
-    set_model_state_dict(model, state["model"])
-    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+    if lora is not None:
+        model = model.merge_and_unload()
     return save_hf_directory(model, tokenizer, out, world)
 
 
