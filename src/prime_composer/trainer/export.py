@@ -41,16 +41,21 @@ def save_hf_directory(model: Any, tokenizer: Any, path: Path, world: World) -> P
     path = Path(path)
     state_dict = full_state_dict(model)
     if world.is_main:
-        _retie(model, state_dict)
-
-        def write(tmp: Path) -> None:
-            model.save_pretrained(tmp, state_dict=state_dict)
-            tokenizer.save_pretrained(tmp)
-
-        _write_directory(path, write)
+        _write_pretrained(model, state_dict, tokenizer, path)
         logger.info("saved the model and tokenizer to %s", path)
     world.barrier()
     return path
+
+
+def _write_pretrained(model: Any, state_dict: dict, tokenizer: Any, path: Path) -> None:
+    """``save_pretrained`` of ``model`` with ``state_dict`` and the tokenizer, atomically (one process)."""
+    _retie(model, state_dict)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+
+    _write_directory(path, write)
 
 
 def save_lora_directory(model: Any, tokenizer: Any, path: Path, world: World, merged: bool) -> Path:
@@ -68,7 +73,6 @@ def save_lora_directory(model: Any, tokenizer: Any, path: Path, world: World, me
     adapter = Adapter(adapter_state_dict(model), adapter_config(model))
     state = full_state_dict(model) if merged else {}
     if world.is_main:
-        single = World(rank=0, world_size=1, local_rank=0, device=world.device)
         if merged:
             from transformers import AutoModelForCausalLM
 
@@ -81,7 +85,7 @@ def save_lora_directory(model: Any, tokenizer: Any, path: Path, world: World, me
             base.update(merged_weights(base, adapter))
             plain = AutoModelForCausalLM.from_config(model.config, dtype=next(iter(base.values())).dtype)
             plain.load_state_dict(base, strict=True)
-            save_hf_directory(plain, tokenizer, path, single)
+            _write_pretrained(plain, plain.state_dict(), tokenizer, path)
         else:
 
             def write(tmp: Path) -> None:
