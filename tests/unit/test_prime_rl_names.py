@@ -66,19 +66,34 @@ def test_split_files_resolve_like_the_single_file() -> None:
     assert any("orchestrator.renderer.name" in n for n in notes)
 
 
-@pytest.mark.parametrize("name", ["alphabet-sort", "wiki-search"])
-def test_lora_is_refused_key_by_key(name: str) -> None:
-    with pytest.raises(ConfigError) as e:
-        resolve("@", str(FIXTURES / f"{name}.toml"))
-    lines = str(e.value).splitlines()
-    lora = [line for line in lines if "lora" in line]
-    expected = {"alphabet-sort": {"trainer.model.lora.rank", "trainer.model.lora.alpha"},
-                "wiki-search": {"trainer.model.lora.rank", "trainer.model.lora.dropout",
-                                "trainer.model.lora.target_modules", "orchestrator.model.lora.name"}}[name]  # fmt: skip
-    assert {re.search(r": (\S+) = ", line).group(1) for line in lora} == expected  # type: ignore[union-attr]
-    for line in lora:
-        assert line.startswith(str(FIXTURES / f"{name}.toml")) and "no equivalent" in line
-    assert "rl migrate" in lines[-1]
+def test_lora_keys_become_ours() -> None:
+    config, notes = resolve("@", str(FIXTURES / "alphabet-sort.toml"))
+    lora = config.trainer.model.lora
+    assert lora is not None and config.trainer.model.lora_enabled
+    assert (lora.rank, lora.alpha) == (32, 64.0)
+    config, notes = resolve("@", str(FIXTURES / "wiki-search.toml"))
+    lora = config.trainer.model.lora
+    assert lora is not None and (lora.rank, lora.dropout) == (8, 0.0)
+    assert lora.target_modules == (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    assert config.inference.vllm.max_lora_rank == 8  # rl passes the rank to vLLM
+    assert any(
+        "orchestrator.model.lora.name" in n and "served under the model's own name" in n for n in notes
+    )
+
+
+def test_lora_keys_without_an_equivalent_are_refused(tmp_path: Path) -> None:
+    text = (FIXTURES / "alphabet-sort.toml").read_text()
+    text = text.replace("[trainer.model.lora]\n", '[trainer.model.lora]\nmodules_to_save = ["lm_head"]\n')
+    with pytest.raises(ConfigError, match=r"trainer\.model\.lora\.modules_to_save[\s\S]*no equivalent"):
+        resolve("@", write(tmp_path, text))
 
 
 def test_alphabet_sort_taskset_fields_become_args(tmp_path: Path) -> None:
@@ -306,13 +321,16 @@ def test_migrated_config_resolves_to_the_same_without_translation(tmp_path: Path
 
 
 def test_migrate_lists_what_to_edit_and_exits_1(tmp_path: Path) -> None:
+    text = (FIXTURES / "alphabet-sort.toml").read_text()
+    text = text.replace("[trainer.model.lora]\n", '[trainer.model.lora]\nmodules_to_save = ["lm_head"]\n')
     done = subprocess.run(
-        [sys.executable, "-m", "prime_composer.launch.rl", "migrate", str(FIXTURES / "alphabet-sort.toml")],
+        [sys.executable, "-m", "prime_composer.launch.rl", "migrate", write(tmp_path, text)],
         capture_output=True, text=True, check=False, timeout=120,
     )  # fmt: skip
     assert done.returncode == 1
     assert "# TO EDIT before `uv run rl` accepts it:" in done.stdout
-    assert "trainer.model.lora.rank = 32" in done.stderr
+    assert "trainer.model.lora.modules_to_save" in done.stderr
+    assert "[trainer.model.lora]\nrank = 32" in done.stdout
     assert "[orchestrator.sampling]\nmax_tokens = 768" in done.stdout
 
 

@@ -2,29 +2,37 @@
 
 Checks the order of engine calls around a weight swap, pass-through of every other request, and
 that every request gets the same status code and error body shape from this middleware as from
-the embedded hf server (the contract the orchestrator relies on).
+the embedded hf server (the contract the orchestrator relies on). LoRA steps go through vLLM's
+adapter loading (a fake ``OpenAIServingModels``) and generation requests are routed to the adapter.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from starlette.applications import Starlette
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from prime_composer.inference.vllm import admin
 from prime_composer.inference.vllm.admin import (
+    ADAPTER_NAME,
     LOAD_METHOD,
     RELOAD_METHOD,
     SETTINGS_ENV,
     AdminRoutesMiddleware,
     admin_settings,
+    route_to_adapter,
 )
 from prime_composer.inference.vllm.extension import WeightUpdateExtension
 from prime_composer.integrity import write_manifest
+from prime_composer.transport.adapter import publish_adapter
 
 SECRET = "s3cret-value"
 
@@ -271,3 +279,110 @@ def test_bodies_over_the_limit_never_reach_vllm(root: Path) -> None:
     assert client.post("/v1/completions", content=b"x" * 1024).status_code == 200
     response = client.post("/v1/completions", content=b"x" * 1025)
     assert response.status_code == 413 and "max_request_bytes = 1024" in response.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------ LoRA adapters
+
+ADAPTER_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+
+
+class FakeModels:
+    """Records ``load_lora_adapter`` / ``unload_lora_adapter`` calls (vLLM's ``OpenAIServingModels``)."""
+
+    def __init__(self, engine: FakeEngine, refuse: bool = False) -> None:
+        self.engine = engine
+        self.refuse = refuse
+
+    async def load_lora_adapter(self, request: dict[str, Any]) -> Any:
+        self.engine.calls.append(("load_lora", request))
+        if self.refuse:
+            return type("Error", (), {"error": type("Info", (), {"message": "rank 2 > max_lora_rank"})()})()
+        return "Success"
+
+    async def unload_lora_adapter(self, request: dict[str, Any]) -> Any:
+        self.engine.calls.append(("unload_lora", request))
+        return "Success"
+
+
+@pytest.fixture
+def plain_adapter_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's request models, as dicts: vLLM itself is not installed in this environment.
+    monkeypatch.setattr(
+        admin, "load_adapter_request", lambda name, path, load_inplace: (name, path, load_inplace)
+    )
+    monkeypatch.setattr(admin, "unload_adapter_request", lambda name: name)
+
+
+def _adapter_step(root: Path, step: int) -> Path:
+    state = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 8),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(8, 2),
+    }
+    return publish_adapter(state, ADAPTER_CONFIG, root, step)
+
+
+def _lora_app(root: Path, engine: FakeEngine, models: FakeModels) -> TestClient:
+    async def generate(request: Request) -> JSONResponse:  # stands for vLLM's generation routes
+        body = await request.body()
+        return JSONResponse({"seen": json.loads(body), "length": request.headers["content-length"]})
+
+    app = Starlette(routes=[Route("/v1/chat/completions", generate, methods=["POST"])])
+    app.state.engine_client = engine
+    app.state.openai_serving_models = models
+    settings = {"broadcast_root": str(root), "secret_env": None, "served_model_name": "m"}
+    app.add_middleware(AdminRoutesMiddleware, settings=settings)
+    return TestClient(app)
+
+
+@pytest.mark.usefixtures("plain_adapter_requests")
+def test_each_adapter_replaces_the_last_and_requests_are_routed_to_it(tmp_path: Path) -> None:
+    root = tmp_path / "broadcasts"
+    engine = FakeEngine()
+    client = _lora_app(root, engine, FakeModels(engine))
+    before = client.post("/v1/chat/completions", json={"model": "m", "messages": []}).json()
+    assert before["seen"]["model"] == "m"  # no adapter yet: the base model
+
+    first, second = _adapter_step(root, 1), _adapter_step(root, 2)
+    assert client.post("/update_weights", json={"path": str(first)}).status_code == 200
+    assert client.post("/update_weights", json={"path": "step_2"}).status_code == 200
+    assert engine.calls == [
+        ("pause", "wait"),
+        ("load_lora", (ADAPTER_NAME, str(first.resolve()), False)),
+        ("reset_prefix_cache",),
+        ("resume",),
+        ("pause", "wait"),
+        ("load_lora", (ADAPTER_NAME, str(second.resolve()), True)),  # in place of the first
+        ("reset_prefix_cache",),
+        ("resume",),
+    ]
+    assert client.get("/health").json()["weights"]["step"] == 2
+    routed = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user"}]}).json()
+    assert routed["seen"] == {"model": ADAPTER_NAME, "messages": [{"role": "user"}]}
+    assert int(routed["length"]) == len(json.dumps(routed["seen"]))
+
+    # whole weights (or the base weights) drop the adapter first
+    engine.calls.clear()
+    whole = _publish_dir(root, 3)
+    assert client.post("/update_weights", json={"path": str(whole)}).status_code == 200
+    assert engine.calls[0] == ("unload_lora", ADAPTER_NAME)
+    assert ("rpc", LOAD_METHOD, (str(whole.resolve()),)) in engine.calls
+    assert client.post("/v1/chat/completions", json={"model": "m"}).json()["seen"]["model"] == "m"
+
+
+@pytest.mark.usefixtures("plain_adapter_requests")
+def test_refused_adapter_is_a_409_and_generation_resumes(tmp_path: Path) -> None:
+    root = tmp_path / "broadcasts"
+    engine = FakeEngine()
+    client = _lora_app(root, engine, FakeModels(engine, refuse=True))
+    response = client.post("/update_weights", json={"path": str(_adapter_step(root, 1))})
+    assert response.status_code == 409 and "max_lora_rank" in response.json()["error"]["message"]
+    assert engine.calls[-1] == ("resume",)
+    assert client.post("/v1/chat/completions", json={"model": "m"}).json()["seen"]["model"] == "m"
+
+
+def test_only_requests_for_the_served_model_are_rewritten() -> None:
+    assert json.loads(route_to_adapter(b'{"model": "m", "n": 2}', "m", "a")) == {"model": "a", "n": 2}
+    assert json.loads(route_to_adapter(b'{"n": 2}', "m", "a")) == {"n": 2, "model": "a"}
+    assert route_to_adapter(b'{"model": "other"}', "m", "a") == b'{"model": "other"}'
+    assert route_to_adapter(b"not json", "m", "a") == b"not json"
+    assert route_to_adapter(b"[1, 2]", "m", "a") == b"[1, 2]"

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import prime_composer
-from prime_composer.config.inference import InferenceConfig
+from prime_composer.config.inference import InferenceConfig, VLLMConfig
 from prime_composer.inference.vllm import extension
 from prime_composer.inference.vllm.admin import SETTINGS_ENV
 from prime_composer.inference.vllm.launch import (
@@ -319,3 +319,17 @@ def test_vllm_exiting_on_its_own_is_an_error(tmp_path: Path) -> None:
     proc, _ = _start_serve(tmp_path, {"FAKE_EXIT": "3"})
     assert proc.wait(timeout=60) != 0
     assert "vLLM exited with code 3" in (tmp_path / "serve.log").read_text()
+
+
+def test_launch_enables_lora_with_the_trainers_rank() -> None:
+    command = build_vllm_command(InferenceConfig(backend="vllm", vllm=VLLMConfig(max_lora_rank=16)), "/m")
+    i = command.index("--enable-lora")
+    assert command[i : i + 5] == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"]
+    assert "--enable-lora" not in build_vllm_command(InferenceConfig(backend="vllm"), "/m")
+    # vLLM accepts only some maximum ranks: the smallest that covers the adapter's
+    command = build_vllm_command(InferenceConfig(backend="vllm", vllm=VLLMConfig(max_lora_rank=4)), "/m")
+    assert command[command.index("--max-lora-rank") + 1] == "8"
+    with pytest.raises(ValueError, match="up to rank 512"):
+        build_vllm_command(InferenceConfig(backend="vllm", vllm=VLLMConfig(max_lora_rank=600)), "/m")
+    with pytest.raises(ValueError, match=r"trainer\.model\.lora\.rank"):
+        check_extra_args(["--max-lora-rank=8"])

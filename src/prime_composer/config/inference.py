@@ -42,6 +42,10 @@ class VLLMConfig(BaseConfig):
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for the vLLM server, e.g. ``{"VLLM_CPU_KVCACHE_SPACE": "2"}``."""
 
+    max_lora_rank: int | None = Field(default=None, ge=1)
+    """Serve LoRA adapters up to this rank (vLLM's ``--enable-lora --max-lora-rank``); ``rl`` sets
+    it to ``trainer.model.lora.rank`` when the trainer trains adapters, so leave it unset there."""
+
     startup_timeout_s: float = Field(default=600.0, gt=0)
     """How long the launcher waits for vLLM's ``/health`` before giving up and stopping it."""
 

@@ -14,8 +14,9 @@ Every PRIME-RL key falls in one of four kinds (``config/prime_rl_rules.py``; ``d
   "filesystem"``, ``algo.type = "grpo"``): dropped, since there is nothing to set;
 - ``ignored``: only changes where or how fast the run goes (SLURM, deployment, kernels, renderers,
   logging): dropped with one note line saying so and what to use instead;
-- ``unsupported``: would change what is trained (LoRA, another optimizer or loss, a length
-  penalty): one error line each, all of them at once, and the run does not start.
+- ``unsupported``: would change what is trained (another optimizer or loss, LoRA settings beyond
+  rank, alpha, dropout and targets, a length penalty): one error line each, all of them at once,
+  and the run does not start.
 
 A key that is valid in our own config is ours and never translated. Translating never hides a
 conflict: a PRIME-RL key and our key for the same setting (or two PRIME-RL keys, e.g. two sources'

@@ -76,7 +76,8 @@ def _wandb_mode(offline: Any) -> str:
 
 
 _LOG = "PRIME_COMPOSER_LOG_LEVEL=debug in the environment"
-_LORA = "LoRA is not supported yet: every weight is trained"
+_LORA_SERVED = "the adapter is served under the model's own name (inference.served_model_name)"
+_LORA_VLLM = "rl starts vLLM with --enable-lora --max-lora-rank trainer.model.lora.rank when LoRA is on"
 _NO_LENGTH_PENALTY = (
     "rewards get no length penalty here (orchestrator.advantage.overlong_buffer is DAPO's soft "
     "overlong penalty, a different rule)"
@@ -179,7 +180,8 @@ RULES: tuple[Rule, ...] = (
         "rl starts the inference server and connects the orchestrator to it",
         "inference.host / inference.port",
     ),
-    unsupported("orchestrator.model.lora.*", _LORA, "remove it (and trainer.model.lora)"),
+    ignored("orchestrator.model.lora.name", _LORA_SERVED, "trainer.model.lora"),
+    unsupported("orchestrator.model.lora.*", "LoRA is set once, for the trainer", "trainer.model.lora"),
     same(
         "orchestrator.algo.type",
         "the group-mean baseline (orchestrator.advantage) and the clipped policy "
@@ -235,7 +237,15 @@ RULES: tuple[Rule, ...] = (
         "PRIME-RL's loss (DPPO masks, adv_tau, kl_tau) is not this trainer's",
         "trainer.loss.rl (eps_low/eps_high, mask_ratio_low/high, kl_coef)",
     ),
-    unsupported("trainer.model.lora.*", _LORA, "remove it"),
+    rename("trainer.model.lora.rank", "trainer.model.lora.rank"),
+    rename("trainer.model.lora.alpha", "trainer.model.lora.alpha"),
+    rename("trainer.model.lora.dropout", "trainer.model.lora.dropout"),
+    rename("trainer.model.lora.target_modules", "trainer.model.lora.target_modules"),
+    unsupported(
+        "trainer.model.lora.*",
+        "adapters train the targeted linear layers only (no fully trained modules, no per-layer ranks)",
+        "trainer.model.lora (rank, alpha, dropout, target_modules)",
+    ),
     ignored("trainer.model.optimization_dtype", "precision is one switch here", "trainer.mixed_precision"),
     ignored("trainer.model.reduce_dtype", "precision is one switch here", "trainer.mixed_precision"),
     ignored(
@@ -265,8 +275,8 @@ RULES: tuple[Rule, ...] = (
     ignored("inference.vllm.data_parallel_size_local", "the inference server is one replica"),
     ignored("inference.vllm.api_server_count", "the inference server is one replica"),
     ignored("inference.vllm.enable_return_routed_experts", "MoE router replay is not implemented"),
-    unsupported("inference.vllm.enable_lora", _LORA, "remove it"),
-    unsupported("inference.vllm.max_lora_rank", _LORA, "remove it"),
+    ignored("inference.vllm.enable_lora", _LORA_VLLM, "trainer.model.lora"),
+    ignored("inference.vllm.max_lora_rank", _LORA_VLLM, "trainer.model.lora.rank"),
     ignored("inference.deployment.*", "the inference server is one replica on this node"),
     ignored("inference.router.*", "the inference server is one replica on this node"),
     ignored("inference.kv_cache_offload.*", "there is no KV cache offload"),

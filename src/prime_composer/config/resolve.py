@@ -41,6 +41,7 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
     _check_sdpo(config, origins)
     _check_replay(config, origins)
     _copy_diloco(config, origins)
+    _copy_lora_rank(config, origins)
     inference = config.inference
     expected = f"http://{_client_host(inference.host)}:{inference.port}/v1"
     if "base_url" in config.orchestrator.model_fields_set and config.orchestrator.base_url != expected:
@@ -52,6 +53,19 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
         )
     config.orchestrator.base_url = expected
     return config
+
+
+def _copy_lora_rank(config: RLConfig, origins: dict[str, str]) -> None:
+    """The inference server serves the trainer's adapters: vLLM must accept their rank."""
+    model = config.trainer.model
+    rank = model.lora.rank if model.lora is not None and model.lora.enabled else None
+    given = config.inference.vllm.max_lora_rank
+    if "inference.vllm.max_lora_rank" in origins and given != rank:
+        raise ConfigError(
+            f"{origin_of('inference.vllm.max_lora_rank', origins)}: inference.vllm.max_lora_rank = {given} "
+            f"but trainer.model.lora.rank is {rank}; remove inference.vllm.max_lora_rank (rl sets it)"
+        )
+    config.inference.vllm.max_lora_rank = rank
 
 
 def _check_gpus(config: RLConfig, origins: dict[str, str]) -> None:

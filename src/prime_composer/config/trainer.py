@@ -2,16 +2,85 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
 
+from pydantic import Field, field_validator, model_validator
+
+from prime_composer.config.base import BaseConfig, ModelConfig
 from prime_composer.config.common import CommonConfig
 from prime_composer.config.diloco import DilocoConfig
 from prime_composer.config.loss import LossConfig
 from prime_composer.config.optim import OptimConfig
 
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The attention and MLP projections of Qwen, Llama, Mistral and most decoder-only models."""
+
+
+class LoraConfig(BaseConfig):
+    """Train low-rank adapters instead of every weight (peft's LoRA): each targeted linear layer
+    ``W0`` becomes ``W0 + (alpha / rank) * B @ A`` with ``A`` (``rank x in``) and ``B``
+    (``out x rank``, zero at the start) trained and ``W0`` frozen. Only the adapter is published
+    each step, checkpointed and (optionally) exported."""
+
+    enabled: bool = True
+    """Train adapters; the section's presence turns LoRA on, ``enabled = false`` turns it off again."""
+
+    rank: int = Field(default=16, ge=1, le=1024)
+    """Rank ``r`` of every adapter (the ``vllm`` backend serves ranks up to 512)."""
+
+    alpha: float = Field(default=32.0, gt=0)
+    """Scale numerator: the update is ``(alpha / rank) * B @ A``."""
+
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input during training (none at inference)."""
+
+    target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    """Names of the linear layers to adapt, matched against the last part of each module's name
+    (``q_proj`` adapts ``model.layers.*.self_attn.q_proj``). Each must match at least one linear
+    layer of the model; the output head (``lm_head``) and embeddings cannot be adapted."""
+
+    export: Literal["merged", "adapter"] = "merged"
+    """What ``<output_dir>/final/`` holds: ``merged``, a plain Hugging Face model with the adapter
+    folded into its weights; ``adapter``, the peft adapter directory (``adapter_config.json``,
+    ``adapter_model.safetensors``) plus the tokenizer, for ``PeftModel.from_pretrained`` on the base."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _check_targets(cls, targets: tuple[str, ...]) -> tuple[str, ...]:
+        if not targets:
+            raise ValueError("give at least one module name, e.g. ['q_proj', 'v_proj']")
+        bad = [t for t in targets if not t or not all(part.isidentifier() for part in t.split("."))]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not a module name (letters, digits, '_', dotted parts)")
+        for t in targets:
+            if t.split(".")[-1] in ("lm_head", "embed_tokens"):
+                raise ValueError(
+                    f"{t!r}: the output head and the embeddings cannot be adapted (they may be tied, "
+                    "and vLLM serves adapters on linear layers only); target the projections"
+                )
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"{list(targets)} names a module twice")
+        return targets
+
+
+class TrainerModelConfig(ModelConfig):
+    """The policy model (shared with the other processes) plus what only the trainer uses."""
+
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of every weight (``[trainer.model.lora]``); ``None``: full
+    fine-tuning."""
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether this run trains adapters."""
+        return self.lora is not None and self.lora.enabled
+
 
 class TrainerConfig(CommonConfig):
     """The trainer: reads batches, computes the loss, steps the optimizer, publishes weights."""
+
+    model: TrainerModelConfig = TrainerModelConfig()
+    """The policy model, for every process (set it at the top level), plus ``lora`` (trainer only)."""
 
     num_ranks: int = Field(default=1, ge=1)
     """Data-parallel ranks; more than 1 runs under torchrun with FSDP2."""
@@ -42,3 +111,12 @@ class TrainerConfig(CommonConfig):
 
     num_threads: int | None = Field(default=None, ge=1)
     """CPU threads for torch (``torch.set_num_threads``); ``None`` leaves torch's default."""
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> TrainerConfig:
+        if self.model.lora_enabled and self.diloco.enabled:
+            raise ValueError(
+                "trainer.model.lora and diloco are both on: the DiLoCo outer loop averages whole "
+                "weights across data centers; turn one of them off"
+            )
+        return self

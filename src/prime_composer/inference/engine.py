@@ -54,6 +54,7 @@ from prime_composer.inference.output_head import packed_output_head
 from prime_composer.inference.requests import ChoiceUpdate, EngineError, GenerationRequest
 from prime_composer.inference.sampling import make_generator, sample_rows
 from prime_composer.inference.weight_swap import WeightSwapper
+from prime_composer.transport.adapter import Adapter
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +220,11 @@ class Engine:
     def check_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Raise ``ValueError`` unless ``state_dict`` covers exactly this model's weights."""
         self._weights.check(state_dict)
+
+    def adapter_state_dict(self, adapter: Adapter) -> dict[str, torch.Tensor]:
+        """The full state dict serving LoRA ``adapter`` on the base weights (``ValueError`` when it
+        does not fit); pass it to ``update_weights``."""
+        return self._weights.with_adapter(adapter)
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor] | None) -> None:
         """Swap in ``state_dict`` (``None``: the weights loaded at start) between requests."""

@@ -9,7 +9,8 @@ but ``/health`` needs it, and bodies over ``inference.max_request_bytes`` are a 
 ``/update_weights`` only reads ``step_<N>`` directories published (``STABLE``) under
 ``<output_dir>/broadcasts`` (``weight_paths``: the path is resolved, symlinks included, before
 that check), verifies their digests and that every value is finite (``transport.weights``), and
-refuses content problems with 409.
+refuses content problems with 409. A LoRA step (``transport/adapter.py``) is merged onto the
+base weights first (``weight_swap``), so it is served like whole weights.
 
 Every client error is a 4xx with OpenAI's error body ``{"error": {"message", "type", "param",
 "code"}}``; malformed JSON and schema violations are 400 (as vLLM answers them), never a crash.
@@ -43,6 +44,7 @@ from prime_composer.inference.openai_routes import ServingState, openai_router
 from prime_composer.inference.preprocess import Preprocessor
 from prime_composer.inference.requests import EngineError
 from prime_composer.inference.weight_paths import WeightPathError, checked_step_dir, update_path_from_body
+from prime_composer.transport.adapter import is_adapter, load_adapter
 from prime_composer.transport.weights import load_weights, parse_step
 
 logger = logging.getLogger(__name__)
@@ -153,7 +155,11 @@ def create_app(
     async def _load_checked(path: Path) -> Any:
         """The state dict of a published step; every content problem is a 409 naming it."""
         try:
-            state_dict = await asyncio.to_thread(load_weights, path)
+            if is_adapter(path):  # a LoRA step: merged onto the base weights here
+                adapter = await asyncio.to_thread(load_adapter, path)
+                state_dict = await asyncio.to_thread(engine.adapter_state_dict, adapter)
+            else:
+                state_dict = await asyncio.to_thread(load_weights, path)
         except FileNotFoundError as e:  # pruned by the trainer since the path was checked
             raise APIError(404, str(e)) from None
         except Exception as e:  # digest mismatch, NaN/inf, unreadable safetensors, ...

@@ -4,6 +4,10 @@ Only the decode loop's thread calls ``apply``, between two forwards, so a forwar
 of an update. ``check`` runs before (on the request's side), so a bad file is refused without
 touching the model. Tied parameters (e.g. input and output embeddings) are one tensor here: a file
 needs either of their names, as ``save_pretrained`` writes only one.
+
+A LoRA update (``transport/adapter.py``) becomes a full state dict before it is applied:
+``with_adapter`` merges the adapter onto the *first* weights kept here, so the swap itself is the
+same copy as for whole weights, and each adapter replaces the one before.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from prime_composer.transport.adapter import Adapter, merged_weights
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +51,28 @@ class WeightSwapper:
         if problems:
             raise ValueError("the weights do not match the served model: " + "; ".join(problems))
 
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        """The first weights (CPU copies, one name per tied group), taken now if no update has
+        happened yet. Read-only: a LoRA update is merged onto these, never onto the live weights."""
+        if self._base is None:
+            # Taken lazily, so a server that never updates pays no memory for it. Only the update
+            # path calls this, one update at a time, while the weights are still the first ones.
+            with torch.no_grad():
+                self._base = {g[0]: self._params[g[0]].detach().to("cpu", copy=True) for g in self._groups}
+        return self._base
+
+    def with_adapter(self, adapter: Adapter) -> dict[str, torch.Tensor]:
+        """The full state dict that serves ``adapter``: the base weights with each adapted layer
+        replaced by ``W0 + scale * B @ A`` (so a new adapter replaces the previous one, never adds
+        to it). ``ValueError`` when the adapter does not fit this model."""
+        base = self.base_weights()
+        return {**base, **merged_weights(base, adapter)}
+
     def apply(self, state_dict: Mapping[str, torch.Tensor] | None) -> None:
         """Copy ``state_dict`` (checked) into the model; ``None`` restores the first weights."""
         began = time.perf_counter()
         with torch.no_grad():
-            if self._base is None:
-                # Taken lazily, so a server that never updates pays no memory for it.
-                self._base = {g[0]: self._params[g[0]].detach().to("cpu", copy=True) for g in self._groups}
+            self.base_weights()
             source = state_dict if state_dict is not None else self._base
             for name, tensor in source.items():
                 self._params[name].copy_(tensor)

@@ -241,6 +241,13 @@ class CheckpointManager:
             )
         return step
 
+    def read_extra(self, step: int) -> dict[str, Any]:
+        """The ``extra`` dict saved with this part of ``step`` (checked against the manifest), to
+        decide whether to load it before reading any tensor."""
+        directory = step_dir(self.root, self.resolve_step(step)) / self.part
+        verify_manifest(directory, only=[META_FILE])
+        return dict(json.loads((directory / META_FILE).read_text())["extra"])
+
     def load(
         self,
         step: int | None,
@@ -257,7 +264,11 @@ class CheckpointManager:
         number of ranks may differ (DCP reshards). Use ``resolve_step`` to learn the step first.
         """
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         step = self.resolve_step(step)
         directory = step_dir(self.root, step) / self.part
@@ -274,7 +285,9 @@ class CheckpointManager:
         state = _dcp_state(model, optimizer) | states
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(directory / MODEL_OPTIM_DIR), no_dist=_no_dist())
-        set_model_state_dict(model, state["model"])
+        # Not strict: the frozen parameters are not in the checkpoint (every saved key was loaded,
+        # dcp.load refuses a key the checkpoint lacks).
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, weights_only=True))
 
@@ -301,12 +314,27 @@ def _check_states(states: dict[str, Any] | None) -> dict[str, Any]:
     return states
 
 
+def trained_model_state(model: nn.Module) -> dict[str, Any]:
+    """The model's state for DCP without its frozen parameters (what a checkpoint holds)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    # A frozen tied alias (a tied output head) survives ignore_frozen_params under its second name.
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if not param.requires_grad:
+            state.pop(name, None)
+    return state
+
+
 def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Model and optimizer state keyed by parameter name (plain tensors, or DTensor shards)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    """Model and optimizer state keyed by parameter name (plain tensors, or DTensor shards).
+
+    Frozen parameters are left out: they never change, so a LoRA run stores its adapter only (the
+    run records which base it adapts); with full fine-tuning nothing is frozen."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     return {
-        "model": get_model_state_dict(model),
+        "model": trained_model_state(model),
         # Names, not positions, key the optimizer state, so it survives resharding.
         "optimizer": get_optimizer_state_dict(model, optimizer),
     }

@@ -13,13 +13,15 @@ renamed into place, so a reader never sees half a model.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
@@ -39,31 +41,88 @@ def save_hf_directory(model: Any, tokenizer: Any, path: Path, world: World) -> P
     path = Path(path)
     state_dict = full_state_dict(model)
     if world.is_main:
-        _retie(model, state_dict)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
-        try:
-            model.save_pretrained(tmp, state_dict=state_dict)
-            tokenizer.save_pretrained(tmp)
-            for entry in tmp.iterdir():
-                if entry.is_file():
-                    entry.chmod(0o644)  # readable by a server running as another user
-                    with open(entry, "rb") as f:
-                        os.fsync(f.fileno())
-            tmp.chmod(0o755)  # mkdtemp makes it private
-            # The next stage (RL after the warm-up) checks the files against it when it loads them.
-            write_manifest(tmp).chmod(0o644)
-            if path.exists():
-                stale = Path(tempfile.mkdtemp(prefix=f".stale-{path.name}-", dir=path.parent))
-                os.replace(path, stale / "old")
-                shutil.rmtree(stale, ignore_errors=True)
-            os.replace(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        _write_pretrained(model, state_dict, tokenizer, path)
         logger.info("saved the model and tokenizer to %s", path)
     world.barrier()
     return path
+
+
+def _write_pretrained(model: Any, state_dict: dict, tokenizer: Any, path: Path) -> None:
+    """``save_pretrained`` of ``model`` with ``state_dict`` and the tokenizer, atomically (one process)."""
+    _retie(model, state_dict)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+
+    _write_directory(path, write)
+
+
+def save_lora_directory(model: Any, tokenizer: Any, path: Path, world: World, merged: bool) -> Path:
+    """Save a LoRA policy (a ``peft.PeftModel``, sharded or not) to ``path``: with ``merged`` as a
+    plain Hugging Face model whose adapted weights are ``W0 + scale * B @ A`` (loads with
+    ``AutoModelForCausalLM.from_pretrained``), otherwise as peft's adapter directory
+    (``adapter_config.json``, ``adapter_model.safetensors``; ``PeftModel.from_pretrained`` on the
+    base). The tokenizer goes with either. Collective under FSDP; only rank 0 writes."""
+    from safetensors.torch import save_file
+
+    from prime_composer.trainer.lora import adapter_config, adapter_state_dict
+    from prime_composer.transport.adapter import PEFT_PREFIX, Adapter, merged_weights
+    from prime_composer.transport.weights import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
+
+    adapter = Adapter(adapter_state_dict(model), adapter_config(model))
+    state = full_state_dict(model) if merged else {}
+    if world.is_main:
+        if merged:
+            from transformers import AutoModelForCausalLM
+
+            # peft's keys back to the base model's: drop the wrapper prefix and ``.base_layer``.
+            base = {
+                key.removeprefix(PEFT_PREFIX).replace(".base_layer.", "."): tensor
+                for key, tensor in state.items()
+                if ".lora_" not in key
+            }
+            base.update(merged_weights(base, adapter))
+            plain = AutoModelForCausalLM.from_config(model.config, dtype=next(iter(base.values())).dtype)
+            plain.load_state_dict(base, strict=True)
+            _write_pretrained(plain, plain.state_dict(), tokenizer, path)
+        else:
+
+            def write(tmp: Path) -> None:
+                save_file(adapter.state_dict, str(tmp / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+                (tmp / ADAPTER_CONFIG_NAME).write_text(
+                    json.dumps(adapter.config, indent=2, sort_keys=True) + "\n"
+                )
+                tokenizer.save_pretrained(tmp)
+
+            _write_directory(path, write)
+        logger.info("saved the LoRA policy (%s) to %s", "merged" if merged else "adapter", path)
+    world.barrier()
+    return path
+
+
+def _write_directory(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` into a hidden temporary directory, then fsync, manifest, rename to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
+    try:
+        write(tmp)
+        for entry in tmp.iterdir():
+            if entry.is_file():
+                entry.chmod(0o644)  # readable by a server running as another user
+                with open(entry, "rb") as f:
+                    os.fsync(f.fileno())
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        # The next stage (RL after the warm-up) checks the files against it when it loads them.
+        write_manifest(tmp).chmod(0o644)
+        if path.exists():
+            stale = Path(tempfile.mkdtemp(prefix=f".stale-{path.name}-", dir=path.parent))
+            os.replace(path, stale / "old")
+            shutil.rmtree(stale, ignore_errors=True)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _retie(model: nn.Module, state_dict: dict) -> None:
@@ -89,12 +148,25 @@ FINAL_DIR = "final"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def export_final(model: Any, tokenizer: Any, output_dir: Path, world: World) -> Path:
+def export_final(
+    model: Any,
+    tokenizer: Any,
+    output_dir: Path,
+    world: World,
+    lora: Literal["merged", "adapter"] | None = None,
+) -> Path:
     """Write ``<output_dir>/final/`` (weights, config, tokenizer and chat template) and its model
-    card. Collective under FSDP, like ``save_hf_directory``."""
+    card. Collective under FSDP, like ``save_hf_directory``.
+
+    ``lora`` (a LoRA run's ``trainer.model.lora.export``): ``merged`` writes the plain model with
+    the adapter folded in, ``adapter`` the peft adapter directory with the tokenizer."""
     from prime_composer.trainer.model_card import write_model_card
 
-    path = save_hf_directory(model, tokenizer, Path(output_dir) / FINAL_DIR, world)
+    path = Path(output_dir) / FINAL_DIR
+    if lora is None:
+        save_hf_directory(model, tokenizer, path, world)
+    else:
+        save_lora_directory(model, tokenizer, path, world, merged=lora == "merged")
     if world.is_main:
         write_model_card(path, output_dir)
     world.barrier()
@@ -102,9 +174,14 @@ def export_final(model: Any, tokenizer: Any, output_dir: Path, world: World) -> 
 
 
 def checkpoint_kind(path: Path) -> str:
-    """``hf`` (a model directory with its tokenizer), ``weights`` (a published ``broadcasts/step_N``)
-    or ``dcp`` (a trainer checkpoint: ``checkpoints/step_N`` or its ``trainer/`` part)."""
+    """``hf`` (a model directory with its tokenizer), ``weights`` (a published ``broadcasts/step_N``),
+    ``adapter`` (a LoRA adapter: a published step of a LoRA run or its exported adapter) or ``dcp``
+    (a trainer checkpoint: ``checkpoints/step_N`` or its ``trainer/`` part)."""
+    from prime_composer.transport.adapter import is_adapter
+
     path = Path(path)
+    if is_adapter(path):
+        return "adapter"
     if (path / "config.json").is_file() and any((path / name).is_file() for name in TOKENIZER_FILES):
         return "hf"
     if (path / "config.json").is_file() and (path / "STABLE").is_file():
@@ -114,14 +191,16 @@ def checkpoint_kind(path: Path) -> str:
     raise ValueError(
         f"{path} is not a checkpoint: expected a trainer checkpoint (checkpoints/step_N, holding "
         "trainer/model_optim), a published weights directory (broadcasts/step_N, holding config.json "
-        "and STABLE) or a Hugging Face model directory (config.json and a tokenizer)"
+        "and STABLE), a LoRA adapter (adapter_config.json) or a Hugging Face model directory "
+        "(config.json and a tokenizer)"
     )
 
 
 def to_hf_directory(checkpoint: Path, base: ModelConfig, out: Path) -> Path:
     """A Hugging Face directory for ``checkpoint``: the directory itself when it is one already,
     else ``out`` written from it (the tokenizer and chat template come from ``base``, the model the
-    run trained, which also gives the architecture a trainer checkpoint is loaded into)."""
+    run trained, which also gives the architecture a trainer checkpoint is loaded into). A LoRA
+    adapter or a LoRA run's checkpoint is merged into ``base``'s weights."""
     kind = checkpoint_kind(checkpoint)
     if kind == "hf":
         return Path(checkpoint)
@@ -140,26 +219,50 @@ def to_hf_directory(checkpoint: Path, base: ModelConfig, out: Path) -> Path:
         return out
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoModelForCausalLM
 
     from prime_composer.integrity import verify_manifest
+    from prime_composer.trainer.checkpoint import trained_model_state
 
+    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+    def load_base(dtype: Any) -> Any:
+        return AutoModelForCausalLM.from_pretrained(
+            resolve_model_name(base.name),
+            dtype=dtype,
+            revision=base.revision,
+            trust_remote_code=base.trust_remote_code,
+        )
+
+    if kind == "adapter":
+        from prime_composer.transport.adapter import load_adapter, merged_weights
+
+        model = load_base("auto")
+        weights = model.state_dict()
+        model.load_state_dict({**weights, **merged_weights(weights, load_adapter(checkpoint))})
+        return save_hf_directory(model, tokenizer, out, world)
     part = _dcp_dir(checkpoint)
     assert part is not None  # checkpoint_kind said dcp
     verify_manifest(part)
-    dtype = _dcp_dtype(part / "model_optim")
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_name(base.name), dtype=dtype, trust_remote_code=base.trust_remote_code
-    )
-    state = {"model": get_model_state_dict(model)}
+    model = load_base(_dcp_dtype(part / "model_optim"))
+    lora = json.loads((part / "meta.json").read_text()).get("extra", {}).get("lora")
+    if lora is not None:  # a LoRA run's checkpoint holds the adapter only: rebuild it on the base
+        from prime_composer.config.trainer import LoraConfig
+        from prime_composer.trainer.lora import apply_lora, base_fingerprint, check_base, lora_record
+
+        cfg = LoraConfig(rank=lora["rank"], alpha=lora["alpha"], target_modules=tuple(lora["target_modules"]))
+        check_base(lora, lora_record(base.name, base_fingerprint(model), cfg), f"the checkpoint {checkpoint}")
+        model = apply_lora(model, cfg)
+    state = {"model": trained_model_state(model)}  # what a checkpoint holds
     import warnings
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(part / "model_optim"), no_dist=True)
-    set_model_state_dict(model, state["model"])
-    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+    if lora is not None:
+        model = model.merge_and_unload()
     return save_hf_directory(model, tokenizer, out, world)
 
 

@@ -10,7 +10,8 @@ For step ``s`` (model = policy after ``s`` optimizer steps):
    by its own *global* count, so the gradient does not depend on how samples were split;
 4. clip, and skip the update if the loss or grad norm is not finite (``optim.optimizer_step``:
    logged, never silent);
-5. publish the new weights as ``broadcasts/step_<s+1>/`` for the inference server;
+5. publish the new weights as ``broadcasts/step_<s+1>/`` for the inference server (with
+   ``[trainer.model.lora]``, the adapter only: ``trainer/lora.py``);
 6. log ``metrics/trainer.jsonl``.
 
 After the last step: a checkpoint (``ckpt.at_end``) and ``<output_dir>/final/``, the model as a
@@ -36,11 +37,20 @@ from prime_composer.diloco.loop import build_outer_loop
 from prime_composer.metrics import MetricsLogger
 from prime_composer.trainer.checkpoint import CheckpointManager
 from prime_composer.trainer.export import export_final
+from prime_composer.trainer.lora import (
+    adapter_config,
+    adapter_state_dict,
+    apply_lora,
+    base_fingerprint,
+    check_base,
+    lora_record,
+)
 from prime_composer.trainer.losses.aggregate import all_reduce_sum
 from prime_composer.trainer.losses.base import TermContext, build_terms
 from prime_composer.trainer.model import World, full_state_dict, init_distributed, load_model, shard_model
 from prime_composer.trainer.optim import build_optimizer, optimizer_step
 from prime_composer.trainer.step import train_step
+from prime_composer.transport.adapter import publish_adapter
 from prime_composer.transport.batch import MicroBatch
 from prime_composer.transport.factory import make_receiver
 from prime_composer.transport.weights import NonFiniteWeightsError, check_finite, parse_step, publish_weights
@@ -53,17 +63,18 @@ class Trainer:
         self.config = config
         self.world = world
         torch.manual_seed(config.seed)
+        self.lora = config.model.lora if config.model.lora_enabled else None
+        self.lora_record: dict[str, Any] | None = None
         model, self.tokenizer = load_model(config.model, world.device)
         self.hf_config = model.config
+        if self.lora is not None:
+            self.lora_record = lora_record(config.model.name, base_fingerprint(model), self.lora)
+            model = apply_lora(model, self.lora)
         self.model = shard_model(model, world, config.mixed_precision) if world.is_distributed else model
         self.optimizer, self.scheduler = build_optimizer(self.model, config.optim, config.max_steps)
-        # Under FSDP a policy copy is loaded and sharded like the policy (a sharded module cannot be
-        # deep-copied); the policy's local shards are then copied in.
-        make_copy = (
-            (lambda: shard_model(load_model(config.model, world.device)[0], world, config.mixed_precision))
-            if world.is_distributed
-            else None
-        )
+        # Under FSDP a policy copy is loaded (with its adapters) and sharded like the policy (a
+        # sharded module cannot be deep-copied); the policy's local shards are then copied in.
+        make_copy = self._load_and_shard if world.is_distributed else None
         self.terms_context = TermContext(self.model, make_copy=make_copy, world_size=world.world_size)
         self.terms = build_terms(config.loss, self.terms_context)
         self.ckpt = CheckpointManager(config.output_dir / "checkpoints", config.ckpt.keep, world)
@@ -79,9 +90,17 @@ class Trainer:
         self.start_step = 0
         self.num_skipped_in_a_row = 0
 
+    def _load_and_shard(self) -> torch.nn.Module:
+        model = load_model(self.config.model, self.world.device)[0]
+        if self.lora is not None:
+            model = apply_lora(model, self.lora)
+        return shard_model(model, self.world, self.config.mixed_precision)
+
     def resume(self) -> None:
         ckpt = self.config.ckpt
         step = resume_step(self.config.output_dir / "checkpoints", ckpt.resume_step, ckpt.parts)
+        where = f"the trainer checkpoint of step {step} in {self.config.output_dir / 'checkpoints'}"
+        check_base(self.ckpt.read_extra(step).get("lora"), self.lora_record, where)
         self.ckpt.load(step, self.model, self.optimizer, self.scheduler, states=self._checkpoint_states())
         if self.outer is not None:  # after the model: it may catch up with newer global weights
             self.outer.load(self.config.output_dir / "checkpoints", step)
@@ -91,11 +110,13 @@ class Trainer:
         self.publish(step)
 
     def publish(self, step: int) -> None:
-        """Write ``broadcasts/step_<step>`` (collective under FSDP; rank 0 writes).
+        """Write ``broadcasts/step_<step>`` (collective under FSDP; rank 0 writes): the whole
+        weights, or with LoRA the adapter only (``transport/adapter.py``).
 
-        Non-finite weights are never published: every rank checks its own shards first and all
-        stop together with a ``RunError`` (a check on rank 0 alone would leave the others waiting)."""
-        local = {name: _local(p.detach()) for name, p in self.model.named_parameters()}
+        Non-finite weights are never published: every rank checks its own shards of the trained
+        parameters first and all stop together with a ``RunError`` (a check on rank 0 alone would
+        leave the others waiting)."""
+        local = {name: _local(p.detach()) for name, p in self.model.named_parameters() if p.requires_grad}
         bad = torch.tensor(0.0)
         try:
             check_finite(local, f"the weights after step {step}")
@@ -107,9 +128,15 @@ class Trainer:
                 + f". The policy has diverged: lower trainer.optim.lr (now {self.config.optim.lr}) or "
                 "trainer.optim.max_grad_norm"
             )
-        state = full_state_dict(self.model)
+        if self.lora is not None:
+            adapter = adapter_state_dict(self.model)
+            if self.world.is_main:
+                publish_adapter(adapter, adapter_config(self.model), self.broadcast_root, step)
+        else:
+            state = full_state_dict(self.model)
+            if self.world.is_main:
+                publish_weights(state, self.hf_config, self.broadcast_root, step)
         if self.world.is_main:
-            publish_weights(state, self.hf_config, self.broadcast_root, step)
             self._prune_broadcasts(keep=self.config.keep_broadcasts)
         self.world.barrier()
 
@@ -119,7 +146,10 @@ class Trainer:
             shutil.rmtree(self.broadcast_root / f"step_{step}", ignore_errors=True)
 
     def save_checkpoint(self, step: int) -> None:
-        self.ckpt.save(step, self.model, self.optimizer, self.scheduler, states=self._checkpoint_states())
+        extra = {"lora": self.lora_record} if self.lora_record is not None else {}
+        self.ckpt.save(
+            step, self.model, self.optimizer, self.scheduler, extra=extra, states=self._checkpoint_states()
+        )
         if self.outer is not None:
             root = self.config.output_dir / "checkpoints"
             self.outer.save(root, step)
@@ -156,7 +186,8 @@ class Trainer:
             if config.ckpt.at_end and self.start_step < config.max_steps:
                 self.save_checkpoint(config.max_steps)
             if config.export_final:
-                export_final(self.model, self.tokenizer, config.output_dir, self.world)
+                lora_export = self.lora.export if self.lora is not None else None
+                export_final(self.model, self.tokenizer, config.output_dir, self.world, lora=lora_export)
         finally:
             receiver.close()
             if self.outer is not None:

@@ -25,6 +25,10 @@ Weights with a NaN or an infinity are never written (``publish_weights`` raises,
 tensor) and never returned (``load_weights`` raises ``NonFiniteWeightsError``): one such value
 makes every logprob the server returns NaN.
 
+A LoRA run publishes adapters instead (``transport/adapter.py``): the same directory, atomicity and
+manifest, with peft's ``adapter_model.safetensors`` and ``adapter_config.json`` as the files;
+``verify_published`` and ``load_weights`` read either kind.
+
 Usage::
 
     path = publish_weights(model, model.config, output_dir / "broadcasts", step)  # trainer
@@ -39,7 +43,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -52,6 +56,9 @@ from prime_composer.io import atomic_write_text
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+"""A LoRA step (``transport/adapter.py``) holds this and ``ADAPTER_CONFIG_NAME`` instead, in peft's layout."""
+ADAPTER_CONFIG_NAME = "adapter_config.json"
 STABLE_MARKER = "STABLE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -87,8 +94,6 @@ def publish_weights(
     """
     if step < 0:
         raise ValueError(f"publish_weights: step must be >= 0, got {step}")
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     config = _config_dict(hf_config)
     state_dict = _checkpoint_state_dict(model_or_state_dict, hf_config, dtype)
     check_finite(state_dict, f"publish_weights (step {step})")
@@ -97,11 +102,25 @@ def publish_weights(
         config["dtype"] = str(next(iter(stored_dtypes))).removeprefix("torch.")
         config.pop("torch_dtype", None)  # the old spelling of the same field; keep one
 
+    def write(tmp: Path) -> None:
+        save_file(state_dict, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    return write_step(root, step, write)
+
+
+def write_step(root: Path, step: int, write: Callable[[Path], None]) -> Path:
+    """Publish ``<root>/step_<step>/`` atomically: ``write`` fills a hidden temporary directory,
+    then the files are fsynced, listed in ``MANIFEST.json``, renamed into place and marked
+    ``STABLE``. Every published format (whole weights, LoRA adapters) goes through here."""
+    if step < 0:
+        raise ValueError(f"publishing: step must be >= 0, got {step}")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
     target = step_path(root, step)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=root))
     try:
-        save_file(state_dict, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        write(tmp)
         _fsync_dir_files(tmp)
         write_manifest(tmp)
         if target.exists():
@@ -146,7 +165,7 @@ def load_weights(
     files = verify_published(path) if verify_digests else _checked_sizes(path)
     state_dict: dict[str, torch.Tensor] = {}
     for name in files:
-        if name != INDEX_NAME:
+        if name not in (INDEX_NAME, ADAPTER_CONFIG_NAME):
             state_dict.update(load_file(str(path / name)))
     check_finite(state_dict, f"weights in {path}")
     return state_dict
@@ -157,6 +176,10 @@ def verify_published(path: Path) -> list[str]:
     SHA-256); return their names (the index first, when sharded). Raises ``IntegrityError``
     naming the first bad or unlisted file, ``FileNotFoundError`` when there are no weights."""
     path = Path(path)
+    if (path / ADAPTER_WEIGHTS_NAME).is_file():
+        # The adapter's config holds its rank and scale: it is checked like the weights.
+        verify_manifest(path, only=[ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME])
+        return [ADAPTER_WEIGHTS_NAME]
     if (path / WEIGHTS_NAME).is_file():
         verify_manifest(path, only=[WEIGHTS_NAME])
         return [WEIGHTS_NAME]
@@ -171,7 +194,9 @@ def verify_published(path: Path) -> list[str]:
 def _checked_sizes(path: Path) -> list[str]:
     """The weight files of ``path``, each checked against the size its manifest lists (no digest)."""
     listed = read_manifest(path)
-    if (path / WEIGHTS_NAME).is_file():
+    if (path / ADAPTER_WEIGHTS_NAME).is_file():
+        files = [ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME]
+    elif (path / WEIGHTS_NAME).is_file():
         files = [WEIGHTS_NAME]
     elif (path / INDEX_NAME).is_file():
         files = [INDEX_NAME, *_shard_names(path)]

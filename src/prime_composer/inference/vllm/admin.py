@@ -14,7 +14,14 @@ paths itself and passes every other request, streaming included, to vLLM untouch
   ``WeightUpdateExtension.prime_composer_load_weights`` on every worker via
   ``engine_client.collective_rpc`` (it refuses non-finite or truncated weights before touching
   the model), drop the prefix cache (its KV blocks were computed with the old weights), resume;
-- ``POST /reload_weights``: the same with the base weights;
+- ``POST /update_weights`` naming a LoRA step (``transport/adapter.py``, vLLM started with
+  ``--enable-lora``): vLLM's own adapter loading (``OpenAIServingModels.load_lora_adapter``, what
+  its ``/v1/load_lora_adapter`` route runs, without that route's development-only switch) loads it
+  under ``ADAPTER_NAME``, in place of the previous step's, between requests; from then on every
+  generation request for the served model has its ``model`` rewritten to the adapter, so the
+  orchestrator keeps asking for the model by its name. vLLM applies the adapter to its base
+  weights itself (``W0 + scale * B @ A``, never on top of the previous adapter);
+- ``POST /reload_weights``: the same with the base weights (and no adapter);
 - ``GET /health``: vLLM's engine health check, answered with the ``hf`` backend's body
   ``{"status", "model", "weights": {"path", "step"}}``.
 
@@ -49,7 +56,7 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prime_composer.inference.guard import DEFAULT_MAX_BODY_BYTES, APIError, RequestGuard, error_response
 
@@ -58,6 +65,10 @@ logger = logging.getLogger(__name__)
 SETTINGS_ENV = "PRIME_COMPOSER_VLLM_ADMIN"
 LOAD_METHOD = "prime_composer_load_weights"
 RELOAD_METHOD = "prime_composer_reload_base_weights"
+ADAPTER_NAME = "prime-composer-lora"
+"""The name the trainer's newest LoRA adapter is loaded under; requests for the served model are
+routed to it (vLLM refuses an adapter named like the base model)."""
+GENERATION_ROUTES = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions")}
 
 
 def admin_settings(
@@ -98,6 +109,7 @@ class AdminRoutesMiddleware:
         if secret_env and not self.secret:
             raise ValueError(f"inference.secret_env = {secret_env!r}, but that variable is unset or empty")
         self.current: dict[str, Any] = {"path": None, "step": None}
+        self.adapter: str | None = None  # the LoRA adapter generation requests are routed to
         self._lock: asyncio.Lock | None = None  # made lazily, inside the server's event loop
         self._guarded = RequestGuard(
             self._dispatch,
@@ -118,6 +130,9 @@ class AdminRoutesMiddleware:
         if handler is None:
             if route is not None and route[1] in ("/update_weights", "/reload_weights"):
                 await error_response(405, f"{route[1]} takes POST")(scope, receive, send)
+                return
+            if self.adapter is not None and route in GENERATION_ROUTES:
+                await self._to_adapter(scope, receive, send, self.adapter)
                 return
             await self.app(scope, receive, send)
             return
@@ -142,6 +157,7 @@ class AdminRoutesMiddleware:
             checked_step_dir,
             update_path_from_body,
         )
+        from prime_composer.transport.adapter import is_adapter
         from prime_composer.transport.weights import parse_step, verify_published
 
         try:
@@ -156,16 +172,80 @@ class AdminRoutesMiddleware:
             raise APIError(404, str(e)) from None
         except (ValueError, OSError) as e:
             raise APIError(409, f"refused the weights in {path}: {type(e).__name__}: {e}") from None
-        await self._swap(request, LOAD_METHOD, (str(path),))
+        if is_adapter(path):
+            await self._load_adapter(request, path)
+        else:
+            await self._unload_adapter(request)
+            await self._swap(request, LOAD_METHOD, (str(path),))
         self.current.update(path=str(path), step=parse_step(path))
         logger.info("serving weights from %s", path)
         return JSONResponse({"status": "ok", **self.current})
 
     async def _reload_weights(self, request: Request) -> JSONResponse:
+        await self._unload_adapter(request)
         await self._swap(request, RELOAD_METHOD, ())
         self.current.update(path=None, step=None)
         logger.info("serving the base weights again")
         return JSONResponse({"status": "ok", **self.current})
+
+    async def _load_adapter(self, request: Request, path: Path) -> None:
+        """Load the LoRA adapter at ``path`` as ``ADAPTER_NAME`` in place of the previous one
+        (vLLM's own ``load_lora_adapter``, what its ``/v1/load_lora_adapter`` route runs), between
+        requests, then route generation to it. vLLM refusing it is a 409 with its message."""
+        models = request.app.state.openai_serving_models
+        engine = _engine(request)
+        async with self._swap_lock():
+            await engine.pause_generation(mode="wait")
+            try:
+                result = await models.load_lora_adapter(
+                    load_adapter_request(ADAPTER_NAME, str(path), load_inplace=self.adapter is not None)
+                )
+                error = getattr(result, "error", None)
+                if error is not None:
+                    raise APIError(409, f"vLLM refused the adapter in {path}: {error.message}")
+                self.adapter = ADAPTER_NAME
+                await engine.reset_prefix_cache()  # cached blocks were computed with the old adapter
+            finally:
+                await engine.resume_generation()
+
+    async def _unload_adapter(self, request: Request) -> None:
+        """Stop routing to the adapter (before whole weights or the base weights are served)."""
+        if self.adapter is None:
+            return
+        await request.app.state.openai_serving_models.unload_lora_adapter(
+            unload_adapter_request(self.adapter)
+        )
+        self.adapter = None
+
+    async def _to_adapter(self, scope: Scope, receive: Receive, send: Send, adapter: str) -> None:
+        """Pass a generation request to vLLM with its ``model`` set to ``adapter``: the whole body
+        is read (the guard has already bounded its size), rewritten and replayed."""
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = route_to_adapter(b"".join(chunks), self.served_model_name, adapter)
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+        scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: wait for the disconnect, as vLLM expects
+
+        await self.app(scope, replay, send)
+
+    def _swap_lock(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
 
     async def _swap(self, request: Request, method: str, args: tuple[Any, ...]) -> None:
         """Run ``method`` on every worker between requests, then forget cached KV blocks.
@@ -174,9 +254,7 @@ class AdminRoutesMiddleware:
         makes this a 409 with its message; any other worker failure is a 500.
         """
         engine = _engine(request)
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
+        async with self._swap_lock():
             await engine.pause_generation(mode="wait")
             try:
                 try:
@@ -198,6 +276,33 @@ class AdminRoutesMiddleware:
                 await engine.reset_prefix_cache()
             finally:
                 await engine.resume_generation()
+
+
+def route_to_adapter(body: bytes, served_model_name: str, adapter: str) -> bytes:
+    """``body`` with its ``model`` set to ``adapter`` when it names the served model (or none,
+    which vLLM reads as the served model); any other body is returned as it is, for vLLM to
+    answer (a malformed one gets vLLM's own 400, another model name its own 404)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(data, dict) or data.get("model", served_model_name) != served_model_name:
+        return body
+    return json.dumps({**data, "model": adapter}).encode()
+
+
+def load_adapter_request(name: str, path: str, load_inplace: bool) -> Any:
+    """vLLM's ``LoadLoRAAdapterRequest`` (imported here: only vLLM's own process has vLLM)."""
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    return LoadLoRAAdapterRequest(lora_name=name, lora_path=path, load_inplace=load_inplace)
+
+
+def unload_adapter_request(name: str) -> Any:
+    """vLLM's ``UnloadLoRAAdapterRequest`` for adapter ``name``."""
+    from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
+
+    return UnloadLoRAAdapterRequest(lora_name=name)
 
 
 def _engine(request: Request) -> Any:

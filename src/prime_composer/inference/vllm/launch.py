@@ -15,6 +15,9 @@ up) with:
   requests that leave a knob unset are sampled (Qwen3 ships top_k=20, top_p=0.95);
 - ``--trust-request-chat-template`` only with ``inference.allow_client_chat_template``: vLLM
   refuses templates sent by clients otherwise, as the ``hf`` backend does;
+- ``--enable-lora --max-lora-rank R --max-loras 1`` when ``inference.vllm.max_lora_rank`` is set
+  (``rl`` sets it for a LoRA run; R is the smallest rank vLLM accepts that covers it): published adapter steps are loaded through vLLM's LoRA loading
+  (``admin``) instead of replacing the weights;
 - ``--enable-auto-tool-choice --tool-call-parser <vLLM's name>`` for ``inference.tool_call_parser``
   (``prime_composer.tool_calls`` names vLLM's parser of the same format): tool calls come back in
   ``message.tool_calls``. With ``required`` or a named function vLLM constrains decoding to the
@@ -63,6 +66,8 @@ logger = logging.getLogger(__name__)
 EXTENSION_CLS = "prime_composer.inference.vllm.extension.WeightUpdateExtension"
 MIDDLEWARE = "prime_composer.inference.vllm.admin.AdminRoutesMiddleware"
 STOP_GRACE_S = 30.0
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values of vLLM's ``--max-lora-rank`` (its ``LoRAConfig.max_lora_rank`` choices)."""
 
 # Options the backend sets itself, and where to set them instead; ``vllm.extra_args`` may not
 # repeat them (two places for one setting would make one of them silently lose).
@@ -86,6 +91,9 @@ _RESERVED_OPTIONS = {
     "--generation-config": "(set by the backend: request defaults must not depend on the model)",
     "--trust-request-chat-template": "inference.allow_client_chat_template",
     "--enable-auto-tool-choice": "inference.tool_call_parser",
+    "--enable-lora": "trainer.model.lora (rl sets inference.vllm.max_lora_rank from it)",
+    "--max-lora-rank": "trainer.model.lora.rank",
+    "--max-loras": "(set by the backend: one adapter, the trainer's newest, is served)",
     "--tool-call-parser": "inference.tool_call_parser",
 }
 
@@ -175,7 +183,22 @@ def build_vllm_command(config: InferenceConfig, model_dir: str) -> list[str]:
     if config.tool_call_parser is not None:
         parser = get_parser(config.tool_call_parser)
         command += ["--enable-auto-tool-choice", "--tool-call-parser", parser.vllm_name]
+    if config.vllm.max_lora_rank is not None:
+        rank = vllm_lora_rank(config.vllm.max_lora_rank)
+        command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
     return command + list(config.vllm.extra_args)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM accepts (it takes only ``VLLM_LORA_RANKS``) that
+    serves adapters of ``rank``."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(
+        f"trainer.model.lora.rank = {rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}; "
+        "lower it, or use inference.backend = 'hf'"
+    )
 
 
 def build_vllm_env(config: InferenceConfig, base_env: dict[str, str] | None = None) -> dict[str, str]:
