@@ -82,9 +82,15 @@ class TeacherPool:
         self.store = store
         self.budget = budget
         self.expected_output_tokens = expected_output_tokens
+        for i, e in enumerate(self.endpoints):
+            if e.base_url is None:
+                raise ValueError(
+                    f"teacher.pool[{i}] ({e.id!r}) has no base_url: a `local` teacher is started by `rl`, "
+                    "which fills it in; to run the service alone, serve the teacher and set its base_url"
+                )
         self._clients = {
             e.id: EndpointClient(
-                e.base_url,
+                e.base_url or "",
                 retry=e.retry,
                 api_key=read_api_key(e.api_key_env, f"teacher.pool[{i}].api_key_env"),
                 max_concurrency=e.max_concurrency,
