@@ -176,3 +176,17 @@ def test_progress_and_report_show_the_replay_metrics_only_when_replay_is_on(tmp_
     text = summary(tmp_path)
     assert "replay: 6 pairs in 2 steps (3.0 per step, 1 steps with pairs)" in text
     assert "teachers: $0.0123 spent on 30 calls, 40 votes, agreement with the policy 0.25" in text
+
+
+def test_the_service_alone_refuses_a_local_teacher_nobody_serves(tmp_path: Path) -> None:
+    from prime_composer.teacher.budget import Budget
+    from prime_composer.teacher.pool import TeacherPool
+    from prime_composer.teacher.store import TeacherStore
+
+    cfg = TeacherServiceConfig(output_dir=tmp_path, pool=[{"name": "a", "model": "a", "local": {}}])
+    store = TeacherStore(cfg.store_path)
+    with pytest.raises(
+        ValueError, match=r"teacher\.pool\[0\] \('a'\) has no base_url: a `local` teacher is started by `rl`"
+    ):
+        TeacherPool(cfg.pool, cfg.budget, store, Budget(cfg.budget, {}))
+    store.close()
