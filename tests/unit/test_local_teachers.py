@@ -190,3 +190,21 @@ def test_the_service_alone_refuses_a_local_teacher_nobody_serves(tmp_path: Path)
     ):
         TeacherPool(cfg.pool, cfg.budget, store, Budget(cfg.budget, {}))
     store.close()
+
+
+def test_builtin_tiny_shapes_are_parsed_and_checked() -> None:
+    from prime_composer.model.resolve import tiny_spec_overrides
+
+    assert tiny_spec_overrides("builtin:tiny-qwen3") == {}
+    assert tiny_spec_overrides("builtin:tiny-qwen3?num_hidden_layers=4&seed=2") == {
+        "num_hidden_layers": 4,
+        "seed": 2,
+    }
+    for bad, message in [
+        ("builtin:tiny-qwen4", "unknown built-in model"),
+        ("builtin:tiny-qwen3?layers=4", "layers=4 is not a shape of the tiny model"),
+        ("builtin:tiny-qwen3?seed=x", "seed=x is not a shape"),
+        ("builtin:tiny-qwen3?seed", r"\?field=value"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            tiny_spec_overrides(bad)

@@ -17,6 +17,7 @@ from pathlib import Path
 from prime_composer.config.base import ModelConfig
 from prime_composer.config.errors import ConfigError
 from prime_composer.config.rl import RLConfig
+from prime_composer.model.resolve import tiny_spec_overrides
 from prime_composer.netaddr import is_loopback
 from prime_composer.orchestrator.env_ids import DEFAULT_ENV_DIRS, environment_exists
 
@@ -73,6 +74,10 @@ def _model_problems(config: RLConfig) -> list[str]:
 def _model_dir_problems(key: str, model: ModelConfig) -> list[str]:
     name = model.name
     if name.startswith("builtin:"):
+        try:
+            tiny_spec_overrides(name)
+        except ValueError as e:
+            return [f"{key}.name: {str(e).removeprefix('model.name = ')}"]
         return []
     path = Path(name).expanduser()
     if path.exists():

@@ -10,8 +10,41 @@ BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny-qwen3",)
 
 
+def tiny_spec_overrides(name: str) -> dict[str, int]:
+    """The shape fields of ``builtin:tiny-qwen3?num_hidden_layers=4&hidden_size=256&seed=1``
+    (``TinyModelSpec`` fields, integers; none for plain ``builtin:tiny-qwen3``). ``ValueError``
+    naming the bad part otherwise. Pure: preflight checks names with it before anything starts."""
+    from dataclasses import fields
+    from urllib.parse import parse_qsl
+
+    from prime_composer.model.tiny import TinyModelSpec
+
+    builtin, _, query = name.removeprefix(BUILTIN_PREFIX).partition("?")
+    if builtin not in BUILTIN_MODELS:
+        raise ValueError(
+            f"model.name = {name!r}: unknown built-in model; choose one of "
+            + ", ".join(BUILTIN_PREFIX + b for b in BUILTIN_MODELS)
+        )
+    known = {f.name for f in fields(TinyModelSpec)}
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise ValueError(f"model.name = {name!r}: write the shape as ?field=value&field=value") from None
+    overrides = {}
+    for key, value in pairs:
+        if key not in known or not value.isdigit():
+            raise ValueError(
+                f"model.name = {name!r}: {key}={value} is not a shape of the tiny model; give integers for "
+                + ", ".join(sorted(known))
+            )
+        overrides[key] = int(value)
+    return overrides
+
+
 def resolve_model_name(name: str) -> str:
-    """Hub ids and local paths pass through; ``builtin:tiny-qwen3`` is built once and cached.
+    """Hub ids and local paths pass through; ``builtin:tiny-qwen3`` is built once and cached, also
+    in another shape (``builtin:tiny-qwen3?num_hidden_layers=4&hidden_size=256``, a different
+    teacher, say: ``tiny_spec_overrides``).
 
     A local directory that holds ``MANIFEST.json`` (one this project wrote: the warm-up's
     ``sft/final``, an export) is checked against it first, so a damaged file is an error naming it
@@ -21,12 +54,6 @@ def resolve_model_name(name: str) -> str:
         if (directory / MANIFEST_NAME).is_file():
             verify_manifest(directory)
         return name
-    builtin = name.removeprefix(BUILTIN_PREFIX)
-    if builtin == "tiny-qwen3":
-        from prime_composer.model.tiny import build_tiny_model
+    from prime_composer.model.tiny import TinyModelSpec, build_tiny_model
 
-        return str(build_tiny_model())
-    raise ValueError(
-        f"model.name = {name!r}: unknown built-in model; choose one of "
-        + ", ".join(BUILTIN_PREFIX + b for b in BUILTIN_MODELS)
-    )
+    return str(build_tiny_model(TinyModelSpec(**tiny_spec_overrides(name))))
