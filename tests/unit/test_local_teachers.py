@@ -89,21 +89,14 @@ def test_the_launcher_fine_tunes_then_serves_each_local_teacher(tmp_path: Path) 
     config, _ = resolve_rl_config(["@", str(REPLAY), "--output-dir", str(tmp_path)])
     (tmp_path / "configs").mkdir()
     data_jobs, sft_jobs = teachers.warmup_specs(config, tmp_path / "configs" / "teacher.json", resuming=False)
-    # The quickstart's warm-up writes the chats; the teachers' data job renders them.
-    assert [s.name for s in data_jobs] == ["teacher-data"]
-    assert data_jobs[0].argv[-4:] == [
-        "--data",
-        str(tmp_path / "sft" / "data.jsonl"),
-        "--out",
-        str(tmp_path / "teachers" / "data.jsonl"),
-    ]
+    # Agent-protocol teachers learn from the chats the quickstart's warm-up writes, as they are.
+    assert data_jobs == []
     assert [s.name for s in sft_jobs] == ["teacher-teacher-a-sft", "teacher-teacher-b-sft"]
     sft = SFTConfig.model_validate_json((tmp_path / "configs" / "teacher-teacher-b-sft.json").read_text())
-    assert (sft.max_steps, sft.seed, sft.label_smoothing, sft.output_dir) == (
-        300,
-        2,
-        0.0,
+    assert (sft.max_steps, sft.seed, sft.label_smoothing, sft.optim.lr) == (300, 2, 0.0, 1e-3)
+    assert (sft.output_dir, sft.data) == (
         tmp_path / "teachers" / "teacher-b",
+        tmp_path / "sft" / "data.jsonl",
     )
     # A resumed run keeps a teacher that finished.
     final = tmp_path / "teachers" / "teacher-a" / "sft" / "final"
@@ -120,18 +113,52 @@ def test_the_launcher_fine_tunes_then_serves_each_local_teacher(tmp_path: Path) 
         inference = InferenceConfig.model_validate_json(Path(spec.argv[-1]).read_text())
         assert endpoint.base_url == f"http://127.0.0.1:{inference.port}/v1"
         assert spec.health_url == f"http://127.0.0.1:{inference.port}/health" and spec.kind == "service"
-        assert inference.served_model_name == endpoint.model and inference.max_model_len == 256
+        assert inference.served_model_name == endpoint.model and inference.max_model_len == 128
         assert inference.model.name == str(tmp_path / "teachers" / endpoint.id / "sft" / "final")
         ports.append(inference.port)
     assert len(set(ports)) == 2 and config.inference.port not in ports
 
 
+def test_review_teachers_learn_from_review_prompts(tmp_path: Path) -> None:
+    pool = '[{name = "r", model = "r", local = {warmup_steps = 5}}]'
+    config, _ = resolve_rl_config(["@", str(REPLAY), "--output-dir", str(tmp_path), "--teacher.pool", pool])
+    (tmp_path / "configs").mkdir()
+    data_jobs, [sft_job] = teachers.warmup_specs(
+        config, tmp_path / "configs" / "teacher.json", resuming=False
+    )
+    assert [s.name for s in data_jobs] == ["teacher-data"]
+    assert data_jobs[0].argv[-4:] == [
+        "--data",
+        str(tmp_path / "sft" / "data.jsonl"),
+        "--out",
+        str(tmp_path / "teachers" / "data.jsonl"),
+    ]
+    sft = SFTConfig.model_validate_json(Path(sft_job.argv[-1]).read_text())
+    assert sft.data == tmp_path / "teachers" / "data.jsonl"
+
+
 def test_without_warmup_the_teacher_data_is_generated_first(tmp_path: Path) -> None:
     config, _ = resolve_rl_config(["@", str(REPLAY), "--output-dir", str(tmp_path), "--no-warmup.enabled"])
     (tmp_path / "configs").mkdir()
-    data_jobs, _ = teachers.warmup_specs(config, tmp_path / "configs" / "teacher.json", resuming=False)
-    assert [s.name for s in data_jobs] == ["teacher-chats", "teacher-data"]
+    data_jobs, sft_jobs = teachers.warmup_specs(config, tmp_path / "configs" / "teacher.json", resuming=False)
+    assert [s.name for s in data_jobs] == ["teacher-chats"]
     assert "prime_composer.orchestrator.sft_export" in data_jobs[0].argv
+    assert (
+        SFTConfig.model_validate_json(Path(sft_jobs[0].argv[-1]).read_text()).data
+        == tmp_path / "teachers" / "chats.jsonl"
+    )
+
+
+def test_agent_replies_are_read_like_the_students_turns() -> None:
+    from prime_composer.teacher.actions import ParseError, parse_agent_reply
+
+    assert parse_agent_reply({"content": " 5 "}).key == parse_answer({"content": '{"message": "5"}'}).key
+    call = parse_agent_reply(
+        {"content": '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'}
+    )
+    assert call.calls[0].name == "bash" and call.calls[0].arguments == {"command": "ls"}
+    with pytest.raises(ParseError):
+        parse_agent_reply({"content": "  "})
 
 
 def write_metrics(output_dir: Path, process: str, records: list[dict]) -> None:

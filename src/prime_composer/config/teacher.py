@@ -38,7 +38,7 @@ A teacher can also be a model the ``rl`` launcher serves itself (``[teacher.pool
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -57,8 +57,9 @@ class LocalTeacherConfig(BaseConfig):
     """A teacher that ``rl`` serves itself on this machine, with the embedded inference server.
 
     Before the run the launcher fine-tunes ``model`` for ``warmup_steps`` steps with the project's
-    ``sft`` on the run's warm-up data rendered as the service's teacher prompts and answered in its
-    protocol (``teacher/sft_data.py``; the result is ``<output_dir>/teachers/<name>/sft/final``), then
+    ``sft`` on the run's warm-up data: as it is for a teacher of ``protocol = "agent"``, rendered as
+    the service's review prompts and answered in JSON for ``review`` (``teacher/sft_data.py``); the
+    result is ``<output_dir>/teachers/<name>/sft/final``. Then
     starts ``uv run inference`` for it on a free loopback port (log ``logs/teacher-<name>.log``),
     waits for its ``/health``, fills in the endpoint's ``base_url``, and stops it with the run. The
     teacher is frozen during the run. Prices still apply (0 by default): the ledger and the budget
@@ -107,6 +108,17 @@ class TeacherEndpointConfig(BaseConfig):
 
     model: str
     """Model name sent in each request (a ``local`` teacher is served under this name)."""
+
+    protocol: Literal["review", "agent"] = "review"
+    """What the teacher is shown and how its reply is read. ``review``: the service's instructions
+    and the state as a transcript to review, the reply one JSON object naming the next action
+    (any instruction-following model; ``prompts.teacher_messages``). ``agent``: the state in the
+    agent's own chat format, exactly as the student sees it (``prompts.student_messages``), the
+    reply read the way the student's turns are (tool calls, else its text as a message): for a
+    teacher that is itself an agent model of the student's format, e.g. a larger model of its
+    family, or a local teacher fine-tuned on the student's warm-up data. Each call reserves the
+    worst case of its own prompt; the gate's and the cascade's cost estimates use the review
+    prompt for both."""
 
     local: LocalTeacherConfig | None = None
     """Serve this teacher on this machine (``rl`` fine-tunes and starts it; see

@@ -4,8 +4,9 @@ A pool entry with ``local`` set is a model this machine serves, the way a PRIME-
 ``uv run inference`` for it by hand, with the plumbing done here:
 
 1. **warm-up** (jobs, before the run): the run's warm-up chats (``warmup.data``,
-   or the ones the student's warm-up generated, or generated now) are rendered as the service's
-   teacher prompts (``teacher/sft_data.py``, log ``logs/teacher-data.log``), then ``sft`` fine-tunes
+   or the ones the student's warm-up generated, or generated now) are the data of a teacher of
+   ``protocol = "agent"``; for ``review`` teachers they are rendered as the service's review
+   prompts (``teacher/sft_data.py``, log ``logs/teacher-data.log``). Then ``sft`` fine-tunes
    each teacher with ``warmup_steps > 0`` on them, all teachers side by side
    (``<output_dir>/teachers/<name>/``, log ``logs/teacher-<name>-sft.log``). A resumed run keeps teachers that finished;
 2. **servers** (services, started before the teacher service): ``prime_composer.inference.main``
@@ -93,24 +94,25 @@ def warmup_specs(
                 kind="job",
             )
         )  # fmt: skip
-    data = root / "data.jsonl"
-    specs.append(
-        ProcessSpec(
-            name="teacher-data",
-            argv=[
-                python, "-m", "prime_composer.teacher.sft_data",
-                "--config", str(teacher_config), "--data", str(chats), "--out", str(data),
-            ],
-            kind="job",
-        )
-    )  # fmt: skip
+    review_data = root / "data.jsonl"  # the chats as review prompts answered in JSON
+    if any(e.protocol == "review" for e in todo):
+        specs.append(
+            ProcessSpec(
+                name="teacher-data",
+                argv=[
+                    python, "-m", "prime_composer.teacher.sft_data",
+                    "--config", str(teacher_config), "--data", str(chats), "--out", str(review_data),
+                ],
+                kind="job",
+            )
+        )  # fmt: skip
     for endpoint in todo:
         local = endpoint.local
         assert local is not None
         sft = SFTConfig(
             model=local.model,
             output_dir=teacher_dir(config, endpoint),
-            data=data,
+            data=chats if endpoint.protocol == "agent" else review_data,
             max_steps=local.warmup_steps,
             batch_size=local.warmup_batch_size,
             micro_batch_size=local.warmup_batch_size,
