@@ -8,7 +8,8 @@ A pool entry with ``local`` set is a model this machine serves, the way a PRIME-
    ``protocol = "agent"``; for ``review`` teachers they are rendered as the service's review
    prompts (``teacher/sft_data.py``, log ``logs/teacher-data.log``). Then ``sft`` fine-tunes
    each teacher with ``warmup_steps > 0`` on them, all teachers side by side
-   (``<output_dir>/teachers/<name>/``, log ``logs/teacher-<name>-sft.log``). A resumed run keeps teachers that finished;
+   (``<output_dir>/teachers/<name>/``, log ``logs/teacher-<name>-sft.log``). A resumed run keeps
+   the teachers that finished;
 2. **servers** (services, started before the teacher service): ``prime_composer.inference.main``
    on a free loopback port with ``configs/teacher-<name>-inference.json``; the launcher waits for
    each ``/health``, and the endpoint's ``base_url`` is filled in before ``configs/teacher.json`` is
