@@ -22,6 +22,8 @@ PANELS: list[tuple[str, str, tuple[str, ...]]] = [
     ("held-out accuracy", "orchestrator", ("eval/accuracy",)),
     ("SDPO loss", "trainer", ("loss/sdpo",)),
     ("hinted fraction", "orchestrator", ("sdpo/hinted_fraction",)),
+    ("replay pairs per step", "orchestrator", ("replay/pairs",)),
+    ("replay DPO loss", "trainer", ("loss/replay",)),
 ]
 
 
@@ -96,7 +98,28 @@ def summary(output_dir: Path) -> str:
     if trainer:
         wall = trainer[-1]["time"] - trainer[0]["time"]
         lines.append(f"trainer steps: {trainer[-1]['step']} in {wall:.0f} s")
+    lines += _replay_lines(orch, run.get("teacher", []))
     return "\n".join(lines)
+
+
+def _replay_lines(orch: list[dict[str, Any]], teacher: list[dict[str, Any]]) -> list[str]:
+    """The replay channel's totals (nothing when the run had none)."""
+    lines = []
+    _, pairs, _ = _series(orch, ("replay/pairs",))
+    if pairs:
+        lines.append(
+            f"replay: {sum(pairs):.0f} pairs in {len(pairs)} steps ({sum(pairs) / len(pairs):.1f} per step, "
+            f"{sum(1 for p in pairs if p > 0)} steps with pairs)"
+        )
+    if teacher:
+        last = teacher[-1]
+        lines.append(
+            f"teachers: ${last.get('teacher/spent_usd', 0.0):.4f} spent on {last.get('teacher/calls_paid', 0):.0f} "
+            f"calls, {last.get('teacher/votes', 0):.0f} votes, agreement with the policy "
+            f"{last.get('teacher/agreement_rate', 0.0):.2f}, {last.get('teacher/steps_pair', 0):.0f} steps "
+            f"became pairs, {last.get('teacher/steps_confirmed', 0):.0f} confirmed"
+        )
+    return lines
 
 
 def main() -> None:

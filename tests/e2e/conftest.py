@@ -17,14 +17,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def rl_command(output_dir: Path, *overrides: str) -> list[str]:
-    """``rl @ configs/quickstart.toml`` shrunk to a few cheap steps, in ``output_dir``."""
+def rl_command(output_dir: Path, *overrides: str, config: str = "quickstart.toml") -> list[str]:
+    """``rl @ configs/<config>`` (the quickstart by default) shrunk to a few cheap steps, in
+    ``output_dir``."""
     return [
         sys.executable,
         "-m",
         "prime_composer.launch.rl",
         "@",
-        str(REPO / "configs" / "quickstart.toml"),
+        str(REPO / "configs" / config),
         "--output-dir",
         str(output_dir),
         "--inference.port",
@@ -46,9 +47,15 @@ def rl_command(output_dir: Path, *overrides: str) -> list[str]:
     ]
 
 
-def run_rl(output_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+def run_rl(
+    output_dir: Path, *overrides: str, timeout: float = 900, config: str = "quickstart.toml"
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        rl_command(output_dir, *overrides), cwd=REPO, capture_output=True, text=True, timeout=timeout
+        rl_command(output_dir, *overrides, config=config),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

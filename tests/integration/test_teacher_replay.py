@@ -22,7 +22,7 @@ from prime_composer.teacher.actions import Action, canonical_call, render_action
 from prime_composer.teacher.budget import Budget, worst_case_cost
 from prime_composer.teacher.fakes import fake_teacher_app, fixed
 from prime_composer.teacher.pool import StudentSampler, TeacherPool
-from prime_composer.teacher.prompts import teacher_messages
+from prime_composer.teacher.prompts import prompt_hash, teacher_messages
 from prime_composer.teacher.replay import Replayer
 from prime_composer.teacher.store import TeacherStore
 from prime_composer.teacher.traces import TraceSourceConfig, parse_trace
@@ -301,3 +301,48 @@ def test_on_policy_chosen_side_is_the_students_matching_sample(tmp_path):
         and body["return_token_ids"]
         and body["messages"][0] == {"role": "user", "content": "Make the tests in calc/ pass."}
     )
+
+
+def agent_teacher_app(reply: str) -> FastAPI:
+    """A teacher that plays the agent: answers ``reply`` as plain text, records what it was shown."""
+    app = FastAPI()
+    app.state.seen = []
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> dict:
+        body = await request.json()
+        app.state.seen.append(body["messages"])
+        return {
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": 12, "completion_tokens": 2},
+        }
+
+    return app
+
+
+def test_an_agent_protocol_teacher_sees_the_students_prompt_and_votes_with_its_text(tmp_path):
+    agent = agent_teacher_app("5")
+    review = fake_teacher_app(fixed({"message": "5"}))
+    trace = {
+        "id": "sum",
+        "turns": [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "6"}],
+    }
+    with serving({"review": review, "agent": agent}) as urls:
+        pool = [
+            {"name": name, "base_url": url, "model": name, "retry": FAST.model_dump(), "protocol": name}
+            for name, url in urls.items()
+        ]
+        store = replay(make_config(tmp_path, urls, pool=pool), [trace])
+    # The agent teacher got the state as the student saw it; the review teacher the transcript.
+    assert agent.state.seen == [[{"role": "user", "content": "What is 2 + 3?"}]]
+    [review_request] = review.state.requests
+    assert review_request["key"] != prompt_hash(agent.state.seen[0])
+    # "5" as text and {"message": "5"} as JSON are one action: a unanimous pair against "6".
+    [step] = store.steps()
+    assert (step["outcome"], step["num_votes"], step["process_reward"]) == ("pair", 2, -1.0)
+    [row] = store.pairs()
+    assert (row["chosen_text"], row["rejected_text"]) == ("5", "6")
+    assert {r["teacher"]: r["outcome"] for r in store.ledger()} == {"review": "ok", "agent": "ok"}
+    store.close()

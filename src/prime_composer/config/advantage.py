@@ -29,3 +29,13 @@ class AdvantageConfig(BaseConfig):
     overlong_penalty: float = Field(default=1.0, ge=0.0)
     """Penalty at the end of the band (a completion of ``max_tokens`` tokens or more gets
     ``-overlong_penalty`` added to its reward)."""
+
+    process_reward_weight: float = Field(default=0.0, ge=0.0)
+    """Weight ``w`` of the replay channel's process rewards in the advantages (0 = off, the
+    numerics are exactly those without it). Before its group's baseline, each rollout's reward gets
+    ``w * p`` added, where ``p`` in [-1, 1] is the mean, over the rollout's steps whose state the
+    teacher service has labeled, of its own action's vote share minus the largest share of any
+    other action at that state (+1: every teacher would have done the same, -1: they all agree on
+    something else); a rollout with no labeled step gets nothing. ``reward`` itself stays the
+    environment's, and dynamic sampling looks at the shaped values. Needs the teacher service's
+    store: a ``[teacher]`` section (or ``orchestrator.replay.store``)."""

@@ -119,8 +119,23 @@ def _check_replay(config: RLConfig, origins: dict[str, str]) -> None:
             "orchestrator.replay.enabled = false, so no batch would ever carry a pair: set "
             "orchestrator.replay.enabled = true or trainer.loss.replay.weight = 0"
         )
+    shaping = config.orchestrator.advantage.process_reward_weight
+    if shaping > 0 and config.teacher is None and config.orchestrator.replay.store is None:
+        raise ConfigError(
+            f"{origin_of('orchestrator.advantage.process_reward_weight', origins)}: "
+            f"orchestrator.advantage.process_reward_weight = {shaping} needs the teacher service's process "
+            "rewards, but the run has no [teacher] section (and no orchestrator.replay.store): add one, or "
+            "set the weight to 0"
+        )
     teacher = config.teacher
     if teacher is not None:
+        for i, endpoint in enumerate(teacher.pool):
+            if endpoint.local is not None and endpoint.base_url is not None:
+                raise ConfigError(
+                    f"{origin_of('teacher.pool', origins)}: teacher.pool[{i}] ({endpoint.id!r}) sets both "
+                    "base_url and local; rl serves a local teacher on a port of its own and fills in "
+                    "base_url: remove one of them"
+                )
         config.orchestrator.replay.teacher_url = f"http://{_client_host(teacher.host)}:{teacher.port}"
         config.orchestrator.replay.teacher_secret_env = teacher.secret_env
 

@@ -25,12 +25,20 @@ A minimal file::
     output_usd_per_m = 15.0
 
 API keys are never in a config: ``api_key_env`` names the environment variable that holds one.
+
+A teacher can also be a model the ``rl`` launcher serves itself (``[teacher.pool.local]``: no
+``base_url``, no key; the quickstart-replay run's teachers are such)::
+
+    [[pool]]
+    name = "teacher-a"
+    model = "teacher-a"
+    local = { model = { name = "builtin:tiny-qwen3" }, warmup_steps = 300 }
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -45,6 +53,48 @@ DEFAULT_INSTRUCTIONS = (
 )
 
 
+class LocalTeacherConfig(BaseConfig):
+    """A teacher that ``rl`` serves itself on this machine, with the embedded inference server.
+
+    Before the run the launcher fine-tunes ``model`` for ``warmup_steps`` steps with the project's
+    ``sft`` on the run's warm-up data: as it is for a teacher of ``protocol = "agent"``, rendered as
+    the service's review prompts and answered in JSON for ``review`` (``teacher/sft_data.py``); the
+    result is ``<output_dir>/teachers/<name>/sft/final``. Then
+    starts ``uv run inference`` for it on a free loopback port (log ``logs/teacher-<name>.log``),
+    waits for its ``/health``, fills in the endpoint's ``base_url``, and stops it with the run. The
+    teacher is frozen during the run. Prices still apply (0 by default): the ledger and the budget
+    work the same as for a hosted teacher.
+    """
+
+    model: ModelConfig = ModelConfig()
+    """The teacher's starting weights (hub id, local directory or ``builtin:tiny-qwen3``)."""
+
+    warmup_steps: int = Field(default=0, ge=0)
+    """SFT steps on the warm-up data in the teacher protocol; 0 serves ``model`` as it is (it must
+    then already answer in the protocol the instructions ask for)."""
+
+    warmup_batch_size: int = Field(default=16, ge=1)
+    """Conversations per SFT step."""
+
+    warmup_lr: float = Field(default=3e-3, gt=0.0)
+    """SFT learning rate (constant)."""
+
+    warmup_label_smoothing: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """SFT label smoothing (0: the teacher becomes as sure of the reference answers as it can)."""
+
+    seed: int = 0
+    """Seed of the teacher's SFT (data order): teachers with different seeds make different mistakes."""
+
+    seq_len: int = Field(default=1024, ge=16)
+    """Longest teacher prompt plus answer in tokens, for the SFT and the server's ``max_model_len``."""
+
+    device: str = "auto"
+    """Device of the teacher's server (``auto``: cuda when present, else cpu)."""
+
+    num_threads: int = Field(default=1, ge=1)
+    """torch threads of the teacher's SFT and server on a CPU."""
+
+
 class TeacherEndpointConfig(BaseConfig):
     """One frozen teacher LLM behind an OpenAI-compatible ``/chat/completions`` endpoint."""
 
@@ -52,11 +102,27 @@ class TeacherEndpointConfig(BaseConfig):
     """Identity in the ledger, the response cache and the pairs' provenance; ``None`` uses ``model``.
     Names must be unique within the pool."""
 
-    base_url: str
-    """Endpoint up to ``/v1`` (e.g. ``https://api.example/v1`` or ``http://127.0.0.1:8001/v1``)."""
+    base_url: str | None = None
+    """Endpoint up to ``/v1`` (e.g. ``https://api.example/v1`` or ``http://127.0.0.1:8001/v1``);
+    required unless ``local`` is set (then ``rl`` fills it in)."""
 
     model: str
-    """Model name sent in each request."""
+    """Model name sent in each request (a ``local`` teacher is served under this name)."""
+
+    protocol: Literal["review", "agent"] = "review"
+    """What the teacher is shown and how its reply is read. ``review``: the service's instructions
+    and the state as a transcript to review, the reply one JSON object naming the next action
+    (any instruction-following model; ``prompts.teacher_messages``). ``agent``: the state in the
+    agent's own chat format, exactly as the student sees it (``prompts.student_messages``), the
+    reply read the way the student's turns are (tool calls, else its text as a message): for a
+    teacher that is itself an agent model of the student's format, e.g. a larger model of its
+    family, or a local teacher fine-tuned on the student's warm-up data. Each call reserves the
+    worst case of its own prompt; the gate's and the cascade's cost estimates use the review
+    prompt for both."""
+
+    local: LocalTeacherConfig | None = None
+    """Serve this teacher on this machine (``rl`` fine-tunes and starts it; see
+    ``LocalTeacherConfig``) instead of calling ``base_url``."""
 
     api_key_env: str | None = None
     """Environment variable holding the API key (sent as a bearer token); None sends no key. The
@@ -90,6 +156,15 @@ class TeacherEndpointConfig(BaseConfig):
     def id(self) -> str:
         """The name used everywhere (``name``, else ``model``)."""
         return self.name or self.model
+
+    @model_validator(mode="after")
+    def _check_where(self) -> Self:
+        if self.base_url is None and self.local is None:
+            raise ValueError(
+                f"teacher.pool ({self.id!r}): give base_url (an OpenAI-compatible endpoint up to /v1), or "
+                "local = { ... } to have rl serve the teacher itself"
+            )
+        return self
 
 
 class TraceSourceConfig(BaseConfig):

@@ -15,8 +15,10 @@ import re
 import socket
 from pathlib import Path
 
+from prime_composer.config.base import ModelConfig
 from prime_composer.config.errors import ConfigError
 from prime_composer.config.rl import RLConfig
+from prime_composer.model.resolve import tiny_spec_overrides
 from prime_composer.netaddr import is_loopback
 from prime_composer.orchestrator.env_ids import DEFAULT_ENV_DIRS, environment_exists
 
@@ -62,26 +64,39 @@ def _secret_problems(config: RLConfig) -> list[str]:
 
 
 def _model_problems(config: RLConfig) -> list[str]:
-    name = config.model.name
-    if config.model.gguf_file is not None and importlib.util.find_spec("gguf") is None:
+    problems = _model_dir_problems("model", config.model)
+    if config.teacher is not None:
+        for i, endpoint in enumerate(config.teacher.pool):
+            if endpoint.local is not None:
+                problems += _model_dir_problems(f"teacher.pool[{i}].local.model", endpoint.local.model)
+    return problems
+
+
+def _model_dir_problems(key: str, model: ModelConfig) -> list[str]:
+    name = model.name
+    if model.gguf_file is not None and importlib.util.find_spec("gguf") is None:
         return [
-            f"model.gguf_file = '{config.model.gguf_file}' needs the gguf package: "
+            f"{key}.gguf_file = '{model.gguf_file}' needs the gguf package: "
             "uv sync --extra smollm2 (or pip install gguf)"
         ]
     if name.startswith("builtin:"):
+        try:
+            tiny_spec_overrides(name)
+        except ValueError as e:
+            return [f"{key}.name: {str(e).removeprefix('model.name = ')}"]
         return []
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
-            return [f"model.name = '{name}' is a file; give the model's directory"]
-        if config.model.gguf_file is None and not (path / "config.json").is_file():
-            return [f"model.name = '{name}' has no config.json: not a Hugging Face model directory"]
-        if config.model.gguf_file is not None and not (path / config.model.gguf_file).is_file():
-            return [f"model.gguf_file = '{config.model.gguf_file}' is not in {path}"]
+            return [f"{key}.name = '{name}' is a file; give the model's directory"]
+        if model.gguf_file is None and not (path / "config.json").is_file():
+            return [f"{key}.name = '{name}' has no config.json: not a Hugging Face model directory"]
+        if model.gguf_file is not None and not (path / model.gguf_file).is_file():
+            return [f"{key}.gguf_file = '{model.gguf_file}' is not in {path}"]
         return []
     looks_local = name.startswith(("/", "./", "../", "~")) or name.count("/") != 1 or not _HUB_ID.match(name)
     if looks_local:
-        return [f"model.name = '{name}': no such directory (and not a hub id like 'Qwen/Qwen3-8B')"]
+        return [f"{key}.name = '{name}': no such directory (and not a hub id like 'Qwen/Qwen3-8B')"]
     return []  # a hub id: transformers resolves it (from its cache when offline)
 
 

@@ -27,6 +27,9 @@ COLUMNS: list[tuple[str, str, tuple[str, ...]]] = [
     ("entropy", "trainer", ("entropy",)),
     ("sdpo", "trainer", ("loss/sdpo",)),
     ("hinted", "orchestrator", ("sdpo/hinted_fraction",)),
+    ("pairs", "orchestrator", ("replay/pairs",)),  # the replay channel: pairs in this step's batch,
+    ("spend $", "teacher", ("teacher/spent_usd",)),  # teacher dollars so far,
+    ("agree", "teacher", ("teacher/agreement_rate",)),  # teacher votes for the policy's action
     ("tokens/s", "trainer", ("perf/tokens_per_s",)),
 ]
 

@@ -31,6 +31,7 @@ from prime_composer.config.resolve import (
 )
 from prime_composer.config.rl import RLConfig
 from prime_composer.io import atomic_write_text
+from prime_composer.launch import teachers
 from prime_composer.launch.launcher import Launcher, LaunchResult
 from prime_composer.launch.preflight import preflight
 from prime_composer.launch.process import ProcessSpec
@@ -175,7 +176,7 @@ def launch(config: RLConfig, argv: Sequence[str]) -> int:
         # Every process resumes from exactly this step (the one that verified).
         set_shared(config, "ckpt.resume_step", point.step)
     else:
-        prepare_fresh(output_dir, config.launch.overwrite, extra=("sft", "final", "eval"))
+        prepare_fresh(output_dir, config.launch.overwrite, extra=("sft", "final", "eval", "teachers"))
     print(f"rl: output in {output_dir} (logs/, metrics/, configs/)", flush=True)
     paths = write_resolved_configs(config)
     from prime_composer.tracking import start_tracker
@@ -215,6 +216,19 @@ def _run_stages(
         _use_model(config, final)
         paths = write_resolved_configs(config)
 
+    # Local teachers ([teacher.pool.local]): fine-tuned now, served beside the run.
+    data_jobs, sft_jobs = teachers.warmup_specs(config, paths.get("teacher", Path()), resuming)
+    if sft_jobs:
+        print(f"rl: warm-up of {len(sft_jobs)} local teachers, logs in logs/teacher-*.log", flush=True)
+    for stage in [*([spec] for spec in data_jobs), *([sft_jobs] if sft_jobs else [])]:
+        result = Launcher(stage, output_dir / "logs", on_tick=track, **launch_kwargs).run()
+        if result.exit_code != 0:
+            print(f"rl: teacher warm-up failed ({result.reason})", flush=True)
+            return result.exit_code
+    teacher_servers = teachers.server_specs(config)  # fills in their base_url: write configs after
+    if teacher_servers:
+        paths = write_resolved_configs(config)
+
     progress = Progress(output_dir / "metrics", config.max_steps, live=config.launch.progress)
 
     def tick(statuses: dict[str, str]) -> None:
@@ -222,7 +236,9 @@ def _run_stages(
         if track is not None:
             track(statuses)
 
-    launcher = Launcher(build_specs(config, paths), output_dir / "logs", on_tick=tick, **launch_kwargs)
+    launcher = Launcher(
+        [*teacher_servers, *build_specs(config, paths)], output_dir / "logs", on_tick=tick, **launch_kwargs
+    )
     try:
         result = launcher.run()
     finally:

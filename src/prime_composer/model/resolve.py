@@ -12,10 +12,46 @@ SMOLLM2 = BUILTIN_PREFIX + "smollm2-135m-instruct"
 """SmolLM2-135M-Instruct from the GGUF file on PyPI (``model/smollm2.py``; the ``smollm2`` extra)."""
 
 
+def tiny_spec_overrides(name: str) -> dict[str, int]:
+    """The shape fields of ``builtin:tiny-qwen3?num_hidden_layers=4&hidden_size=256&seed=1``
+    (``TinyModelSpec`` fields, integers; none for plain ``builtin:tiny-qwen3``). ``ValueError``
+    naming the bad part otherwise. Pure: preflight checks names with it before anything starts."""
+    from dataclasses import fields
+    from urllib.parse import parse_qsl
+
+    from prime_composer.model.tiny import TinyModelSpec
+
+    builtin, _, query = name.removeprefix(BUILTIN_PREFIX).partition("?")
+    if builtin not in BUILTIN_MODELS:
+        raise ValueError(
+            f"model.name = {name!r}: unknown built-in model; choose one of "
+            + ", ".join(BUILTIN_PREFIX + b for b in BUILTIN_MODELS)
+        )
+    if builtin != "tiny-qwen3":
+        if query:
+            raise ValueError(f"model.name = {name!r}: only builtin:tiny-qwen3 takes a shape")
+        return {}
+    known = {f.name for f in fields(TinyModelSpec)}
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise ValueError(f"model.name = {name!r}: write the shape as ?field=value&field=value") from None
+    overrides = {}
+    for key, value in pairs:
+        if key not in known or not value.isdigit():
+            raise ValueError(
+                f"model.name = {name!r}: {key}={value} is not a shape of the tiny model; give integers for "
+                + ", ".join(sorted(known))
+            )
+        overrides[key] = int(value)
+    return overrides
+
+
 def resolve_model_name(name: str) -> str:
-    """Hub ids and local paths pass through; ``builtin:tiny-qwen3`` is built once and cached;
-    ``builtin:smollm2-135m-instruct`` is the folder holding SmolLM2's GGUF file (downloaded from
-    PyPI once; the config sets ``model.gguf_file`` to it).
+    """Hub ids and local paths pass through; ``builtin:tiny-qwen3`` is built once and cached, also
+    in another shape (``builtin:tiny-qwen3?num_hidden_layers=4&hidden_size=256``, a different
+    teacher, say: ``tiny_spec_overrides``); ``builtin:smollm2-135m-instruct`` is the folder holding
+    SmolLM2's GGUF file (downloaded from PyPI once; the config sets ``model.gguf_file`` to it).
 
     A local directory that holds ``MANIFEST.json`` (one this project wrote: the warm-up's
     ``sft/final``, an export) is checked against it first, so a damaged file is an error naming it
@@ -25,16 +61,10 @@ def resolve_model_name(name: str) -> str:
         if (directory / MANIFEST_NAME).is_file():
             verify_manifest(directory)
         return name
-    builtin = name.removeprefix(BUILTIN_PREFIX)
-    if builtin == "tiny-qwen3":
-        from prime_composer.model.tiny import build_tiny_model
-
-        return str(build_tiny_model())
-    if builtin == "smollm2-135m-instruct":
+    if name == SMOLLM2:
         from prime_composer.model.smollm2 import smollm2_dir
 
         return str(smollm2_dir())
-    raise ValueError(
-        f"model.name = {name!r}: unknown built-in model; choose one of "
-        + ", ".join(BUILTIN_PREFIX + b for b in BUILTIN_MODELS)
-    )
+    from prime_composer.model.tiny import TinyModelSpec, build_tiny_model
+
+    return str(build_tiny_model(TinyModelSpec(**tiny_spec_overrides(name))))

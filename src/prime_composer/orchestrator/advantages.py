@@ -3,12 +3,17 @@
 For each group (one example x ``group_size`` rollouts):
 
     shaped_i    = reward_i + overlong_penalty(len(completion_i))      (DAPO, optional)
+                           + w * process_reward_i                     (replay, optional)
     advantage_i = shaped_i - mean(shaped)                             (Dr. GRPO: no std)
     advantage_i = (shaped_i - mean(shaped)) / (std(shaped) + 1e-4)    (GRPO: ``std_scaling``)
 
 ``std`` is the sample standard deviation (n - 1 in the denominator), as in TRL's GRPO. A group
 whose shaped rewards are all equal gets advantage exactly 0 (no floating-point residue), which
 is what ``filter_zero_variance`` keys on to drop it (DAPO dynamic sampling).
+
+``process_reward_i`` is the teachers' mean process reward over the rollout's labeled steps
+(``replay/shaping.py``; in [-1, 1]) and ``w`` is ``process_reward_weight``; a rollout without one
+(or ``w = 0``) adds nothing, and with ``w = 0`` the numerics are exactly those without shaping.
 
 The unit is the episode: the Samples of one episode split at a history-rewriting chat template
 (same ``info["trace_id"]``) count once in the mean and std, with their first Sample's shaped
@@ -23,6 +28,7 @@ Usage::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 
 from prime_composer.config.advantage import AdvantageConfig
@@ -56,13 +62,19 @@ def _group_advantages(shaped: list[float], std_scaling: bool) -> list[float]:
 
 
 def compute_advantages(
-    samples: list[Sample], cfg: AdvantageConfig, max_tokens: int | None = None
+    samples: list[Sample],
+    cfg: AdvantageConfig,
+    max_tokens: int | None = None,
+    process_rewards: Sequence[float | None] | None = None,
 ) -> list[Sample]:
     """Return copies of ``samples`` (same order) with ``advantage`` set per group.
 
     ``max_tokens`` is the completion token budget the rollouts were sampled with; it is needed
     only for the overlong penalty (``cfg.overlong_buffer > 0``), whose value is then recorded in
-    each sample's ``metrics["overlong_penalty"]``. ``reward`` is left as the environment gave it.
+    each sample's ``metrics["overlong_penalty"]``. ``process_rewards`` (one per sample, None where
+    the teachers labeled none of its steps) is added with weight ``cfg.process_reward_weight``;
+    a shaped sample records it in ``metrics["process_reward"]``. ``reward`` is left as the
+    environment gave it.
     """
     if cfg.overlong_buffer > 0 and (max_tokens is None or cfg.overlong_buffer > max_tokens):
         raise ValueError(
@@ -76,6 +88,13 @@ def compute_advantages(
         for s in samples
     ]
 
+    weight = cfg.process_reward_weight
+    if process_rewards is not None and len(process_rewards) != len(samples):
+        raise ValueError(f"{len(process_rewards)} process rewards for {len(samples)} samples")
+    if weight == 0 or process_rewards is None:
+        process_rewards = [None] * len(samples)
+    shaping = [weight * pr if pr is not None else 0.0 for pr in process_rewards]
+
     groups: dict[int, dict[object, list[int]]] = {}
     for i, s in enumerate(samples):
         episode = s.info.get("trace_id", ("sample", i))
@@ -83,14 +102,16 @@ def compute_advantages(
     advantages = [0.0] * len(samples)
     for episodes in groups.values():
         members = list(episodes.values())
-        shaped = [samples[m[0]].reward + penalties[m[0]] for m in members]
+        shaped = [samples[m[0]].reward + penalties[m[0]] + shaping[m[0]] for m in members]
         for indices, adv in zip(members, _group_advantages(shaped, cfg.std_scaling), strict=True):
             for i in indices:
                 advantages[i] = adv
 
     out = []
-    for s, adv, pen in zip(samples, advantages, penalties, strict=True):
+    for s, adv, pen, pr in zip(samples, advantages, penalties, process_rewards, strict=True):
         metrics = {**s.metrics, "overlong_penalty": pen} if cfg.overlong_buffer > 0 else dict(s.metrics)
+        if pr is not None:
+            metrics["process_reward"] = pr
         out.append(replace(s, advantage=adv, metrics=metrics))
     return out
 

@@ -37,6 +37,7 @@ from prime_composer.metrics import MetricsLogger
 from prime_composer.orchestrator.envs import LoadedEnv
 from prime_composer.orchestrator.packing import GroupPacker, pack_step
 from prime_composer.orchestrator.policy import PolicySync
+from prime_composer.orchestrator.replay.shaping import ProcessRewards
 from prime_composer.orchestrator.replay.traces import TraceSender
 from prime_composer.orchestrator.rollout import API_KEY_VAR, RolloutRunner
 from prime_composer.orchestrator.sample import Sample
@@ -96,6 +97,7 @@ class Orchestrator:
         self._drawn: dict[int, tuple[LoadedEnv, int]] = {}
         self.failure_watch = FailureWatch(config.failure)
         self.traces: TraceSender | None = None
+        self.shaping: ProcessRewards | None = None
         self.train_tasks = [loaded.tasks("train") for loaded in envs]
         for loaded, tasks in zip(envs, self.train_tasks, strict=True):
             if not tasks:
@@ -129,6 +131,12 @@ class Orchestrator:
             if replay.send_traces and replay.teacher_url is not None
             else None
         )
+        shaping = (
+            ProcessRewards(replay.store or config.output_dir / "teacher" / "teacher.sqlite")
+            if config.advantage.process_reward_weight > 0
+            else None
+        )
+        self.shaping = shaping
         eval_sampling = config.sampling.model_copy(update={"temperature": config.eval.temperature})
         try:
             async with (
@@ -142,7 +150,12 @@ class Orchestrator:
                     api_key_var=config.inference_secret_env or API_KEY_VAR,
                 ) as runner,
                 RolloutStream(
-                    config, self.state, self._draw_group, self._group_runner(runner), policy
+                    config,
+                    self.state,
+                    self._draw_group,
+                    self._group_runner(runner),
+                    policy,
+                    process_rewards=shaping.lookup if shaping is not None else None,
                 ) as stream,
             ):
                 while stream.step < config.max_steps:
@@ -159,6 +172,8 @@ class Orchestrator:
             await policy.aclose()
             if self.traces is not None:
                 await self.traces.aclose()
+            if shaping is not None:
+                shaping.close()
 
     async def _step(
         self,
@@ -183,6 +198,8 @@ class Orchestrator:
         if self.traces is not None:  # the teacher service replays the run's own rollouts
             self.traces.send(rollouts.generated)
             metrics.update(self.traces.metrics())
+        if self.shaping is not None:
+            metrics.update(self.shaping.metrics())
         metrics["time/wait_weights_s"], stream.wait_weights_s = stream.wait_weights_s, 0.0
         if self.hints is not None:
             t0 = time.monotonic()

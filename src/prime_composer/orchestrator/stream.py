@@ -98,10 +98,14 @@ class RolloutStream:
         draw: Callable[[], int],
         run_group: RunGroup,
         policy: PolicySync,
+        process_rewards: Callable[[list[Sample]], list[float | None]] | None = None,
     ) -> None:
         """``drawn`` is the draw position ``draw()`` advances (it returns the next group id); at
-        construction it is also the consumed position (a fresh run or a resumed checkpoint)."""
+        construction it is also the consumed position (a fresh run or a resumed checkpoint).
+        ``process_rewards`` gives each finished rollout of a group its teachers' process reward
+        (``replay/shaping.py``) for ``compute_advantages``; None: no shaping."""
         self.config = config
+        self.process_rewards = process_rewards
         self.drawn = drawn
         self.draw = draw
         self.run_group = run_group
@@ -280,7 +284,10 @@ class RolloutStream:
         ok = [s for s in samples if s.error is None]
         scored: list[Sample] | None = None
         if ok:
-            scored = compute_advantages(ok, self.config.advantage, max_tokens=self.config.sampling.max_tokens)
+            shaping = self.process_rewards(ok) if self.process_rewards is not None else None
+            scored = compute_advantages(
+                ok, self.config.advantage, max_tokens=self.config.sampling.max_tokens, process_rewards=shaping
+            )
             if self.config.advantage.dynamic_sampling:
                 scored = filter_zero_variance(scored)[0] or None
         if scored is None:

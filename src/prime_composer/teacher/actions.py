@@ -220,6 +220,20 @@ def parse_answer(message: dict[str, Any]) -> Action:
     return _calls_from_object(_first_json_object(text))
 
 
+def parse_agent_reply(message: dict[str, Any]) -> Action:
+    """The action of a teacher that plays the agent (``protocol = "agent"``): its tool calls (native,
+    or ``<tool_call>`` blocks as the student writes them), else its whole text as a message, the way
+    the student's own turn is read (``turn_action``). ``ParseError`` for an empty reply."""
+    native = message.get("tool_calls")
+    content = message.get("content")
+    text = _THINK.sub("", content).strip() if isinstance(content, str) else ""
+    if (isinstance(native, list) and native) or _TOOL_CALL.search(text):
+        return parse_answer(message)
+    if not text:
+        raise ParseError("the answer is empty")
+    return Action(message=text)
+
+
 # ----------------------------------------------------------------------------------- rendering
 
 

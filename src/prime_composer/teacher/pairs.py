@@ -137,6 +137,23 @@ class PairStore:
         )
         return {r["turn_index"]: r["process_reward"] for r in rows}
 
+    def votes_at(self, state_hash: str) -> list[str] | None:
+        """The valid teacher votes (action cluster keys) at a state, from its labeled step with the
+        most of them; None when no step at this state was labeled. Answers are cached per state, so
+        every labeled step at a state saw the same answers; the cascade may have asked fewer teachers
+        at some of them."""
+        conn = self._connection()
+        if conn is None:
+            return None
+        row = conn.execute(
+            "SELECT votes FROM steps WHERE state_hash = ? AND status = 'done' AND num_votes > 0"
+            " ORDER BY num_votes DESC LIMIT 1",
+            (state_hash,),
+        ).fetchone()
+        if row is None:
+            return None
+        return [v["action"] for v in json.loads(row["votes"]) if v.get("action") is not None]
+
 
 def _pair(r: sqlite3.Row) -> Pair:
     return Pair(

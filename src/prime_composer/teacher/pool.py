@@ -28,7 +28,14 @@ from typing import Any
 
 from prime_composer.client.http import EndpointClient, read_api_key
 from prime_composer.config.teacher import BudgetConfig, OnPolicyConfig, TeacherEndpointConfig
-from prime_composer.teacher.actions import Action, ParseError, action_from_json, action_to_json, parse_answer
+from prime_composer.teacher.actions import (
+    Action,
+    ParseError,
+    action_from_json,
+    action_to_json,
+    parse_agent_reply,
+    parse_answer,
+)
 from prime_composer.teacher.budget import Budget, call_cost, prompt_token_bound, worst_case_cost
 from prime_composer.teacher.prompts import prompt_hash
 from prime_composer.teacher.store import LedgerRow, TeacherStore
@@ -82,9 +89,15 @@ class TeacherPool:
         self.store = store
         self.budget = budget
         self.expected_output_tokens = expected_output_tokens
+        for i, e in enumerate(self.endpoints):
+            if e.base_url is None:
+                raise ValueError(
+                    f"teacher.pool[{i}] ({e.id!r}) has no base_url: a `local` teacher is started by `rl`, "
+                    "which fills it in; to run the service alone, serve the teacher and set its base_url"
+                )
         self._clients = {
             e.id: EndpointClient(
-                e.base_url,
+                e.base_url or "",
                 retry=e.retry,
                 api_key=read_api_key(e.api_key_env, f"teacher.pool[{i}].api_key_env"),
                 max_concurrency=e.max_concurrency,
@@ -196,8 +209,9 @@ class TeacherPool:
             message = result.data["choices"][0]["message"]
             kept = {k: message.get(k) for k in ("content", "tool_calls") if message.get(k) is not None}
             action: Action | None
+            parse = parse_agent_reply if endpoint.protocol == "agent" else parse_answer
             try:
-                action, outcome, error = parse_answer(message), "ok", None
+                action, outcome, error = parse(message), "ok", None
             except ParseError as e:
                 action, outcome, error = None, "malformed", str(e)
             if estimated:

@@ -151,8 +151,11 @@ class Replayer:
     ) -> list[Answer]:
         order = self.pool.cascade_order(messages)
 
+        agent = student_messages(trace, planned.turn_index)
+
         def ask(endpoint: TeacherEndpointConfig) -> Awaitable[Answer]:
-            return self.pool.ask(endpoint, messages, trace.trace_id, planned.turn_index)
+            prompt = agent if endpoint.protocol == "agent" else messages
+            return self.pool.ask(endpoint, prompt, trace.trace_id, planned.turn_index)
 
         if not self.cfg.gate.cascade or len(order) == 1:
             return list(await asyncio.gather(*(ask(e) for e in order)))

@@ -77,7 +77,13 @@ def run_service(cfg: TeacherServiceConfig) -> int:
 
 
 def _summary(stats: dict[str, Any]) -> dict[str, float]:
+    """The metrics of one pass. ``teacher/agreement_rate`` is the share of valid teacher votes, over
+    every labeled step so far, that went to the trace's own action (1: the teachers would have done
+    what the policy did; with the cascade, a step where the cheapest teacher agreed counts one vote)."""
+    votes = stats["votes"]
     return {
+        "teacher/agreement_rate": votes["for_trace"] / votes["total"] if votes["total"] else 0.0,
+        "teacher/votes": votes["total"],
         "teacher/spent_usd": stats["spent_usd"],
         "teacher/calls_paid": stats["calls_paid"],
         "teacher/pairs_ready": stats["pairs"].get("ready", 0),

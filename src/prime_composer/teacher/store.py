@@ -554,8 +554,13 @@ class TeacherStore:
             "SELECT COUNT(*) AS n, COALESCE(SUM(dollars), 0) AS d, COALESCE(SUM(input_tokens), 0) AS i,"
             " COALESCE(SUM(output_tokens), 0) AS o FROM ledger WHERE outcome NOT IN ('cache_hit', 'budget')"
         ).fetchone()
+        votes = self._conn.execute(
+            "SELECT COALESCE(SUM(ROUND(trace_share * num_votes)), 0) AS agree, COALESCE(SUM(num_votes), 0) AS n"
+            " FROM steps WHERE status = 'done' AND num_votes > 0"
+        ).fetchone()
         return {
             "traces": grouped("SELECT status, COUNT(*) FROM traces GROUP BY status"),
+            "votes": {"for_trace": int(votes["agree"]), "total": int(votes["n"])},
             "steps": grouped("SELECT COALESCE(outcome, status), COUNT(*) FROM steps GROUP BY 1"),
             "pairs": grouped("SELECT status, COUNT(*) FROM pairs GROUP BY status"),
             "calls": grouped("SELECT outcome, COUNT(*) FROM ledger GROUP BY outcome"),

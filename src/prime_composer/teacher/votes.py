@@ -57,6 +57,19 @@ class StepLabel:
         return self.best_share - self.trace_share
 
 
+def process_reward(action_key: str, vote_keys: list[str]) -> float:
+    """The process reward of the action with cluster key ``action_key`` at a state whose valid teacher
+    votes are ``vote_keys``: its share minus the largest share of any other action (the formula of
+    ``label_step``, for any action at a labeled state). 0 when there is no vote."""
+    if not vote_keys:
+        return 0.0
+    counts: dict[str, int] = {}
+    for key in vote_keys:
+        counts[key] = counts.get(key, 0) + 1
+    best_other = max((n for key, n in counts.items() if key != action_key), default=0)
+    return (counts.get(action_key, 0) - best_other) / len(vote_keys)
+
+
 def label_step(trace_action: Action, votes: list[Vote], cfg: PairConfig) -> StepLabel:
     """Label one step from its votes (see the module docstring)."""
     clusters: dict[str, list[str]] = {}
