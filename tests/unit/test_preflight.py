@@ -120,3 +120,16 @@ def test_smollm2_builtin_names_its_gguf_file_and_needs_the_extra(
     (cached / smollm2.GGUF_FILE).write_bytes(b"GGUF")
     monkeypatch.setattr(smollm2, "default_cache_dir", lambda: tmp_path)
     assert resolve_module.resolve_model_name("builtin:smollm2-135m-instruct") == str(cached)
+    # Every process reads the tokenizer from the GGUF file too (the orchestrator, the agent harness).
+    import transformers
+
+    calls = []
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda path, **kw: calls.append((path, kw))
+    )
+    resolve_module.load_tokenizer("builtin:smollm2-135m-instruct")
+    resolve_module.load_tokenizer(str(cached), gguf_file="other.gguf", revision="main")
+    assert calls == [
+        (str(cached), {"gguf_file": smollm2.GGUF_FILE}),
+        (str(cached), {"revision": "main", "gguf_file": "other.gguf"}),
+    ]

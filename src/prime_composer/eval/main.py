@@ -230,11 +230,11 @@ def run(config: EvalRunConfig) -> int:
     inference = config.inference.model_copy(
         update={"model": config.model.model_copy(update={"name": model}), "served_model_name": None}
     )
-    from transformers import AutoTokenizer
+    from prime_composer.model.resolve import load_tokenizer
 
-    from prime_composer.model.resolve import resolve_model_name
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(model))
+    tokenizer = load_tokenizer(
+        model, gguf_file=config.model.gguf_file if model == config.model.name else None
+    )
     with serving(inference, results_dir / "inference.log", config.launch.gpus.get("inference")) as base_url:
         records = asyncio.run(play(config, base_url, model, tokenizer))
     summary = summarize_records(records, config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prime_composer.integrity import MANIFEST_NAME, verify_manifest
 
@@ -68,3 +69,18 @@ def resolve_model_name(name: str) -> str:
     from prime_composer.model.tiny import TinyModelSpec, build_tiny_model
 
     return str(build_tiny_model(TinyModelSpec(**tiny_spec_overrides(name))))
+
+
+def load_tokenizer(name: str, *, revision: str | None = None, gguf_file: str | None = None) -> Any:
+    """The tokenizer of a ``model.name`` (hub id, local folder or built-in). A GGUF model's comes
+    from its file: ``gguf_file``, implied for ``builtin:smollm2-135m-instruct``."""
+    from transformers import AutoTokenizer
+
+    if gguf_file is None and name == SMOLLM2:
+        from prime_composer.model.smollm2 import GGUF_FILE
+
+        gguf_file = GGUF_FILE
+    kwargs: dict[str, Any] = {"revision": revision} if revision else {}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    return AutoTokenizer.from_pretrained(resolve_model_name(name), **kwargs)

@@ -149,13 +149,11 @@ async def shared_tokenizer(name: str) -> Any:
 
 
 def _load_tokenizer(name: str) -> None:
-    from transformers import AutoTokenizer
-
-    from prime_composer.model.resolve import resolve_model_name
+    from prime_composer.model.resolve import load_tokenizer
 
     with _tokenizer_lock:
         if name not in _tokenizers:
-            _tokenizers[name] = AutoTokenizer.from_pretrained(resolve_model_name(name))
+            _tokenizers[name] = load_tokenizer(name)
 
 
 __all__ = ["AgentHarness", "AgentHarnessConfig"]

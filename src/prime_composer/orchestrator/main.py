@@ -18,14 +18,12 @@ from prime_composer.logs import setup_logging
 
 def run(config: OrchestratorConfig) -> int:
     setup_logging("orchestrator")
-    from transformers import AutoTokenizer
-
-    from prime_composer.model.resolve import resolve_model_name
+    from prime_composer.model.resolve import load_tokenizer
     from prime_composer.orchestrator.envs import load_envs
     from prime_composer.orchestrator.loop import Orchestrator
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        resolve_model_name(config.model.name), revision=config.model.revision
+    tokenizer = load_tokenizer(
+        config.model.name, revision=config.model.revision, gguf_file=config.model.gguf_file
     )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     try:
