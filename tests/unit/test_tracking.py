@@ -7,6 +7,7 @@ import json
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -97,6 +98,14 @@ def test_offline_run_holds_the_metrics_on_each_process_step_axis(tmp_path: Path)
     assert tracker.num_logged == 4
 
     (run_file,) = (tmp_path / "wandb").glob("wandb/offline-run-*/run-*.wandb")
+    # wandb-core's writer may still be flushing the file when finish() returns (seen under load:
+    # the history records arrived a moment later); give it a few seconds to hold all four.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        kinds = [r.WhichOneof("record_type") for r in wandb_records(run_file)]  # type: ignore[attr-defined]
+        if kinds.count("history") >= 4:
+            break
+        time.sleep(0.2)
     history, metric_defs, run = [], {}, None
     for record in wandb_records(run_file):
         kind = record.WhichOneof("record_type")  # type: ignore[attr-defined]

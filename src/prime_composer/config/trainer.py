@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -81,6 +81,14 @@ class TrainerConfig(CommonConfig):
 
     model: TrainerModelConfig = TrainerModelConfig()
     """The policy model, for every process (set it at the top level), plus ``lora`` (trainer only)."""
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _shared_model(cls, value: Any) -> Any:
+        # The shared ModelConfig (what every other process holds) is a trainer model without LoRA.
+        if isinstance(value, ModelConfig) and not isinstance(value, TrainerModelConfig):
+            return value.model_dump(exclude_unset=True)
+        return value
 
     num_ranks: int = Field(default=1, ge=1)
     """Data-parallel ranks; more than 1 runs under torchrun with FSDP2."""
