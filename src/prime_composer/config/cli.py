@@ -33,6 +33,8 @@ from pydantic_settings import EnvSettingsSource
 from pydantic_settings.exceptions import SettingsError
 
 from prime_composer.config.errors import RUN_ERROR_EXIT_CODE, ConfigError, RunError, did_you_mean
+from prime_composer.config.help import render_help
+from prime_composer.config.introspect import list_item_model, submodel
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -92,27 +94,6 @@ class RawTranslator(Protocol):
     ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
         """``(values, origins, notes)``; raises ``ConfigError`` for keys that cannot be translated."""
         ...
-
-
-# ----------------------------------------------------------------------------- model introspection
-
-
-def submodel(annotation: Any) -> type[BaseModel] | None:
-    """The BaseModel inside ``annotation`` (``M``, ``M | None``), or None for a plain value."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        models = [m for a in typing.get_args(annotation) if (m := submodel(a)) is not None]
-        return models[0] if len(models) == 1 else None
-    return None
-
-
-def list_item_model(annotation: Any) -> type[BaseModel] | None:
-    """``M`` for ``list[M]`` annotations (e.g. ``[[orchestrator.env]]`` tables)."""
-    if typing.get_origin(annotation) is list:
-        (item,) = typing.get_args(annotation) or (None,)
-        return submodel(item)
-    return None
 
 
 def resolve_field(model: type[BaseModel], dotted: str, origin: str) -> Any:
@@ -513,7 +494,6 @@ def run_entry_point(
     translate: RawTranslator | None = None,
 ) -> int:
     """The whole life of a console script: parse, ``--help``/``--dry-run``, run, exit code."""
-    from prime_composer.config.help import render_help
 
     argv = sys.argv[1:] if argv is None else argv
     try:

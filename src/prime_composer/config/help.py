@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from prime_composer.config.cli import list_item_model, submodel
+from prime_composer.config.introspect import list_item_model, submodel
 
 
 def _type_name(annotation: Any) -> str:
