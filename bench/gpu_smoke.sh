@@ -42,7 +42,7 @@ done
 
 # name | own time limit (s) | metric on the last line | subcommand of bench/gpu_smoke.py
 PARTS=(
-  "quickstart|130|quickstart_s|quickstart"
+  "quickstart|150|quickstart_s|quickstart"
   "vllm_rl|150|vllm_rl_s|vllm-rl"
   "trainer|80|trainer_tok_s|train"
   "infer_hf|90|hf_tok_s|serve --backend hf"
