@@ -27,6 +27,7 @@
 #                       without network); src/ is put on its PYTHONPATH
 #   GPU_SMOKE_NO_SYNC=1 do not run uv sync
 #   GPU_SMOKE_FORCE=1   run the parts even without a GPU (to test this script)
+#   GPU_SMOKE_NVIDIA_SMI  the nvidia-smi to look for (nvidia-smi; the tests name a missing one)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
