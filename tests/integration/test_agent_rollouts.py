@@ -29,6 +29,7 @@ from prime_composer.orchestrator.replay.traces import samples_to_traces
 from prime_composer.orchestrator.rollout import RolloutRunner
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.hints import HintBuilder
+from prime_composer.orchestrator.sdpo.target import sdpo_target
 from prime_composer.orchestrator.trace_export import episode_trace
 from prime_composer.teacher.traces import parse_trace
 
@@ -204,7 +205,9 @@ def test_sdpo_targets_the_turn_the_error_points_to(
     stats = asyncio.run(hint_builder(tok, sources=["feedback", "template"]).apply([sample]))
     assert stats.num_hinted == 1 and sample.info["hint_source"] == "feedback"
     turn = sample.info["turns"][error_turn]
-    assert sample.sdpo is not None and sample.sdpo.span == turn.span  # that turn's assistant tokens only
+    assert (
+        sdpo_target(sample) is not None and sdpo_target(sample).span == turn.span
+    )  # that turn's assistant tokens only
     # The teacher sees the conversation before that turn, then the hint, then the generation prompt.
     messages = sample.info["messages"]
     feedback = next(f for f in sample.info["feedback"] if f["turn"] == error_turn)
@@ -219,21 +222,21 @@ def test_sdpo_targets_the_turn_the_error_points_to(
         add_generation_prompt=True,
         tools=sample.info["tools"],
     )
-    assert tok.decode(sample.sdpo.teacher_prefix_ids) == expected
+    assert tok.decode(sdpo_target(sample).teacher_prefix_ids) == expected
     # ... sharing the student's own tokens up to where the hint goes.
     student = sample.prompt_ids + sample.completion_ids[: turn.span[0]]
     shared = len(
         tok.apply_chat_template(messages[: turn.message_index], tokenize=False, tools=sample.info["tools"])
     )
     kept = max(k for k in range(len(student) + 1) if len(tok.decode(student[:k])) <= shared)
-    assert sample.sdpo.teacher_prefix_ids[:kept] == student[:kept]
+    assert sdpo_target(sample).teacher_prefix_ids[:kept] == student[:kept]
 
 
 def test_sibling_hints_use_the_successful_siblings_reply_at_the_same_step(server, pyfix, tok) -> None:
     ((good,),), ((bad,),) = play(pyfix, server[1], "oracle", [0]), play(pyfix, server[1], "wrong_fix", [0])
     assert good.group_id == bad.group_id
     asyncio.run(hint_builder(tok, sources=["sibling"]).apply([good, bad]))
-    assert bad.sdpo is not None and bad.sdpo.span == bad.info["turns"][2].span
+    assert sdpo_target(bad) is not None and sdpo_target(bad).span == bad.info["turns"][2].span
     assert (
         bad.info["hint"]
         == "Hint: A correct answer to this task was:\n" + oracle_replies(pyfix.tasks()[0].data)[2]

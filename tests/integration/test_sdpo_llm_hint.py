@@ -22,6 +22,7 @@ from prime_composer.inference.local import running_server
 from prime_composer.model.resolve import resolve_model_name
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.hints import HintBuilder
+from prime_composer.orchestrator.sdpo.target import sdpo_target
 
 MODEL = "builtin:tiny-qwen3"
 
@@ -71,4 +72,4 @@ def test_llm_hint_from_the_embedded_server(server):
     expected = tok.apply_chat_template(
         [messages[0], {"role": "user", "content": hint}], add_generation_prompt=True, tokenize=False
     )
-    assert tok.decode(sample.sdpo.teacher_prefix_ids) == expected
+    assert tok.decode(sdpo_target(sample).teacher_prefix_ids) == expected

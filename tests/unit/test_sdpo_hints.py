@@ -22,6 +22,7 @@ from prime_composer.model.resolve import resolve_model_name
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.hints import HintBuilder
 from prime_composer.orchestrator.sdpo.render import assistant_turns, fit_teacher
+from prime_composer.orchestrator.sdpo.target import sdpo_target
 
 HINTS_DIR = Path(__file__).resolve().parents[2] / "orchestrator" / "hints"
 SYSTEM = {"role": "system", "content": "You are a helpful assistant"}
@@ -86,8 +87,8 @@ def build(tok, samples, seq_len=512, **cfg):
 
 
 def teacher_text(tok, s: Sample) -> str:
-    start, end = s.sdpo.span
-    return tok.decode(s.sdpo.teacher_prefix_ids + s.completion_ids[start:end])
+    start, end = sdpo_target(s).span
+    return tok.decode(sdpo_target(s).teacher_prefix_ids + s.completion_ids[start:end])
 
 
 def test_assistant_turns():
@@ -98,13 +99,13 @@ def test_assistant_turns():
 def test_targets_lowest_reward_first_capped_by_fraction(tok):
     group = [single(tok, "7", 1.0), single(tok, "8", 0.0), single(tok, "9", 0.5), single(tok, "6", 0.0)]
     stats = build(tok, group, sources=["template"], max_hinted_fraction=0.5)
-    assert [s.sdpo is not None for s in group] == [False, True, False, True]
+    assert [sdpo_target(s) is not None for s in group] == [False, True, False, True]
     assert stats.num_candidates == 3 and stats.num_hinted == 2
     m = stats.metrics(["template"])
     assert m["sdpo/hinted_fraction"] == 0.5 and m["sdpo/source/template"] == 2
     assert m["sdpo/skipped/over_fraction"] == 1
     # Single turn: the span is the whole completion.
-    assert group[1].sdpo.span == (0, len(group[1].completion_ids))
+    assert sdpo_target(group[1]).span == (0, len(group[1].completion_ids))
 
 
 def test_sibling_hint_uses_a_successful_sibling_of_the_same_group_only(tok):
@@ -115,8 +116,8 @@ def test_sibling_hint_uses_a_successful_sibling_of_the_same_group_only(tok):
     stats = build(tok, [good, bad, alone, other_good], sources=["sibling"])
     assert bad.info["hint_source"] == "sibling"
     assert bad.info["hint"] == "Hint: A correct answer to this task was:\n7"
-    assert good.sdpo is None and other_good.sdpo is None
-    assert alone.sdpo is None and stats.skipped["no_hint"] == 1
+    assert sdpo_target(good) is None and sdpo_target(other_good) is None
+    assert sdpo_target(alone) is None and stats.skipped["no_hint"] == 1
     # The hint is a user message right before the reply, rendered with the same template.
     expected = render(
         tok,
@@ -126,7 +127,7 @@ def test_sibling_hint_uses_a_successful_sibling_of_the_same_group_only(tok):
             {"role": "user", "content": bad.info["hint"]},
         ],
     )
-    assert bad.sdpo.teacher_prefix_ids == expected
+    assert sdpo_target(bad).teacher_prefix_ids == expected
 
 
 def test_sibling_never_uses_the_sample_itself(tok):
@@ -180,34 +181,34 @@ def test_feedback_hint_goes_before_the_turn_it_is_about(tok):
     s, msgs = _multi_turn(tok, info={"feedback": [feedback]})
     build(tok, [s], sources=["feedback", "template"])
     turns = assistant_turns(s.completion_mask)
-    assert len(turns) == 2 and s.sdpo.span == turns[0]
+    assert len(turns) == 2 and sdpo_target(s).span == turns[0]
     assert s.info["hint_source"] == "feedback"
     hint = {
         "role": "user",
         "content": "Hint: Feedback on a previous attempt at this step:\ncalc wants 3 + 4, not words",
     }
-    assert s.sdpo.teacher_prefix_ids == render(tok, [*msgs[:2], hint])
+    assert sdpo_target(s).teacher_prefix_ids == render(tok, [*msgs[:2], hint])
     # Only policy tokens of the target turn: none of the spliced environment tokens.
-    assert all(s.completion_mask[s.sdpo.span[0] : s.sdpo.span[1]])
+    assert all(s.completion_mask[sdpo_target(s).span[0] : sdpo_target(s).span[1]])
 
 
 def test_error_defaults_to_the_last_turn_and_append_placement(tok):
     s, msgs = _multi_turn(tok)
     build(tok, [s], sources=["template"], placement="append", hint_format="[{hint}]")
-    assert s.sdpo.span == assistant_turns(s.completion_mask)[-1]
+    assert sdpo_target(s).span == assistant_turns(s.completion_mask)[-1]
     hinted = [dict(m) for m in msgs[:4]]
     hinted[3]["content"] += "\n\n[The correct answer is 7.]"
-    assert s.sdpo.teacher_prefix_ids == render(tok, hinted)
+    assert sdpo_target(s).teacher_prefix_ids == render(tok, hinted)
 
 
 def test_teacher_sequence_retokenizes_consistently(tok):
     for s in (single(tok, "8", 0.0), _multi_turn(tok)[0]):
         build(tok, [s], sources=["template"])
-        start, end = s.sdpo.span
-        ids = s.sdpo.teacher_prefix_ids + s.completion_ids[start:end]
+        start, end = sdpo_target(s).span
+        ids = sdpo_target(s).teacher_prefix_ids + s.completion_ids[start:end]
         assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
         # ... and is the template's rendering of the hinted chat with the same reply.
-        hinted_chat = tok.decode(s.sdpo.teacher_prefix_ids) + tok.decode(s.completion_ids[start:end])
+        hinted_chat = tok.decode(sdpo_target(s).teacher_prefix_ids) + tok.decode(s.completion_ids[start:end])
         assert hinted_chat.endswith("<|im_start|>assistant\n8<|im_end|>")
         assert "Hint: The correct answer is 7.<|im_end|>\n<|im_start|>assistant\n8<|im_end|>" in hinted_chat
 
@@ -216,7 +217,7 @@ def test_render_mismatch_gets_no_hint(tok):
     s = single(tok, "8", 0.0)
     s.info["messages"][0] = {"role": "system", "content": "Another system prompt"}
     stats = build(tok, [s], sources=["template"])
-    assert s.sdpo is None and stats.skipped["render_mismatch"] == 1
+    assert sdpo_target(s) is None and stats.skipped["render_mismatch"] == 1
 
 
 def test_bad_feedback_and_error_turn_are_counted_not_raised(tok):
@@ -234,15 +235,17 @@ def test_truncation_cuts_the_middle_keeping_task_and_target(tok):
     assert len(full_prefix) + span_len > seq_len
     stats = build(tok, [s], seq_len=seq_len, sources=["template"])
     assert stats.num_teacher_truncated == 1
-    start, end = s.sdpo.span
-    teacher = s.sdpo.teacher_prefix_ids + s.completion_ids[start:end]
+    start, end = sdpo_target(s).span
+    teacher = sdpo_target(s).teacher_prefix_ids + s.completion_ids[start:end]
     assert len(teacher) <= seq_len and end - start == span_len
     task = render(tok, msgs[:2], gen=False)
     assert teacher[: len(task)] == task  # the task statement survives, from the first token
     hint_tail = render(tok, [*msgs[:-1], {"role": "user", "content": "Hint: The correct answer is 7."}])
     tail = hint_tail[len(render(tok, msgs[:-1], gen=False)) :]
-    assert s.sdpo.teacher_prefix_ids[-len(tail) :] == tail  # hint + generation prompt survive
-    assert "continue" in tok.decode(s.sdpo.teacher_prefix_ids[len(task) : -len(tail)])  # recent history kept
+    assert sdpo_target(s).teacher_prefix_ids[-len(tail) :] == tail  # hint + generation prompt survive
+    assert "continue" in tok.decode(
+        sdpo_target(s).teacher_prefix_ids[len(task) : -len(tail)]
+    )  # recent history kept
 
 
 def test_fit_teacher_shortens_the_span_when_nothing_else_can_go():
@@ -336,7 +339,7 @@ def test_llm_failure_is_counted_and_the_next_source_is_used(tok, fake_openai):
         sources=["llm"],
         llm={"base_url": "http://127.0.0.1:9/v1", "model": "m", "retry": {"timeout_s": 2, "max_retries": 0}},
     )
-    assert u.sdpo is None and stats.num_llm_errors == 1 and stats.skipped["no_hint"] == 1
+    assert sdpo_target(u) is None and stats.num_llm_errors == 1 and stats.skipped["no_hint"] == 1
 
 
 def test_missing_api_key_variable_is_a_config_error(tok, monkeypatch):

@@ -20,7 +20,7 @@ For each step's kept samples (``HintBuilder.apply``):
    (``chat_render.splice_prompt``): a token-in rollout's history is token-exact, not a re-encoding.
    Cut in the middle to fit ``seq_len`` with the target span.
 
-The result is written on the sample: ``Sample.set_sdpo_target(span, teacher_prefix_ids)`` (``Sample.sdpo``) and
+The result is written on the sample: ``set_sdpo_target(sample, span, teacher_prefix_ids)`` (``Sample.channels["sdpo"]``, ``target.py``) and
 ``info["hint_source"]``, ``info["hint"]``. Packing then puts the student span in ``sdpo_mask`` and
 ``teacher_prefix_ids + completion_ids[start:end]`` in the micro-batch's teacher rows.
 
@@ -53,6 +53,7 @@ from prime_composer.orchestrator.sdpo.sources import (
     sibling_hint,
     strip_thinking,
 )
+from prime_composer.orchestrator.sdpo.target import clear_sdpo_target, set_sdpo_target
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class HintBuilder:
         """Set SDPO targets on ``samples`` in place (any earlier targets are cleared)."""
         stats = HintStats(num_samples=len(samples))
         for s in samples:
-            s.sdpo = None
+            clear_sdpo_target(s)
             for key in ("hint_source", "hint", "hint_template"):
                 s.info.pop(key, None)
         groups: dict[int, list[Sample]] = defaultdict(list)
@@ -156,7 +157,7 @@ class HintBuilder:
                 if isinstance(result, str):
                     stats.skipped[result] += 1
                     continue
-                sample.set_sdpo_target(result.span, result.teacher_prefix)
+                set_sdpo_target(sample, result.span, result.teacher_prefix)
                 sample.info["hint_source"] = result.source
                 sample.info["hint"] = result.hint
                 if result.detail is not None:
