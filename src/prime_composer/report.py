@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from prime_composer.channels import Column, channels
+from prime_composer.config.channels import Column, channels
 from prime_composer.io import atomic_write_bytes
 from prime_composer.metrics import read_metrics
 
 # (title, process, metric keys tried in order); every channel's panels follow
-# (``channels/spec.py``: ``ChannelSpec.panels``).
+# (``config/channels.py``: ``ChannelSpec.panels``).
 HEAD_PANELS: tuple[Column, ...] = (
     Column("reward (train samples)", "orchestrator", ("reward/mean",)),
     Column("loss", "trainer", ("loss/total", "loss")),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from prime_composer.channels.spec import ChannelSpec, Column, Pairing, register_channel
+from prime_composer.config.channels import ChannelSpec, Column, Pairing, register_channel
 from prime_composer.config.cli import origin_of
 from prime_composer.config.dpo import DPOLossConfig
 from prime_composer.config.errors import ConfigError

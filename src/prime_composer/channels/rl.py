@@ -4,7 +4,7 @@ orchestrator part; its term is ``trainer/losses/rl_term.py``."""
 
 from __future__ import annotations
 
-from prime_composer.channels.spec import ChannelSpec, Column, register_channel
+from prime_composer.config.channels import ChannelSpec, Column, register_channel
 from prime_composer.config.loss import RLLossConfig
 
 SPEC = register_channel(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prime_composer.channels.spec import ChannelSpec, Column, Pairing, register_channel
+from prime_composer.config.channels import ChannelSpec, Column, Pairing, register_channel
 from prime_composer.config.loss import SDPOLossConfig
 from prime_composer.config.sdpo import HintConfig
 

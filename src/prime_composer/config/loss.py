@@ -13,8 +13,8 @@ from typing import ClassVar, Literal, Self, cast
 
 from pydantic import Field, model_validator
 
-from prime_composer.channels.sections import ChannelSections, Weighted
 from prime_composer.config.base import BaseConfig
+from prime_composer.config.channels import ChannelSections, Weighted, channels
 from prime_composer.config.dpo import DPOLossConfig
 
 
@@ -121,7 +121,7 @@ class SDPOLossConfig(BaseConfig):
 
 class LossConfig(ChannelSections):
     """All loss terms of the trainer, each with its own section (a registered plugin channel's
-    section too: ``channels/sections.py``)."""
+    section too: ``config/channels.py``)."""
 
     channel_kind: ClassVar[Literal["loss", "orchestrator"]] = "loss"
 
@@ -137,6 +137,4 @@ class LossConfig(ChannelSections):
 
     def sections(self) -> list[tuple[str, Weighted]]:
         """Every channel's section, in registration order (the built-ins first)."""
-        from prime_composer.channels.spec import channels
-
         return [(spec.name, cast(Weighted, self.section(spec.name))) for spec in channels()]

@@ -7,9 +7,9 @@ from typing import ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
 
-from prime_composer.channels.sections import ChannelSections
 from prime_composer.config.advantage import AdvantageConfig
 from prime_composer.config.base import BaseConfig
+from prime_composer.config.channels import ChannelSections
 from prime_composer.config.common import CommonConfig
 from prime_composer.config.env import EnvConfig, RolloutConfig, SamplingConfig
 from prime_composer.config.sdpo import HintConfig
@@ -68,7 +68,7 @@ class FailureConfig(BaseConfig):
 
 class OrchestratorConfig(CommonConfig, ChannelSections):
     """The orchestrator: samples rollouts, scores them, computes advantages, packs batches (and a
-    registered plugin channel's ``orchestrator.<name>`` section: ``channels/sections.py``)."""
+    registered plugin channel's ``orchestrator.<name>`` section: ``config/channels.py``)."""
 
     channel_kind: ClassVar[Literal["loss", "orchestrator"]] = "orchestrator"
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
-from prime_composer.channels.sections import Switched, Weighted
-from prime_composer.channels.spec import Pairing, channels
+from prime_composer.config.channels import Pairing, Switched, Weighted, channels
 from prime_composer.config.cli import CliOptions, build_config, origin_of
 from prime_composer.config.errors import ConfigError
 from prime_composer.config.prime_rl import PrimeRLNames
@@ -126,7 +125,7 @@ def _copy_diloco(config: RLConfig, origins: dict[str, str]) -> None:
 
 
 def _check_channels(config: RLConfig, origins: dict[str, str]) -> None:
-    """Every channel's checks across processes (``channels/spec.py``): both halves on together,
+    """Every channel's checks across processes (``config/channels.py``): both halves on together,
     then the channel's own."""
     for spec in channels():
         if spec.pairing is not None:

@@ -17,11 +17,11 @@ from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
-from prime_composer.channels import Column, channels
+from prime_composer.config.channels import Column, channels
 from prime_composer.metrics import read_metrics
 
 # Shown when present, the first matching key of each winning; every channel's columns go
-# between these (``channels/spec.py``: ``ChannelSpec.columns``).
+# between these (``config/channels.py``: ``ChannelSpec.columns``).
 HEAD_COLUMNS: tuple[Column, ...] = (
     Column("reward", "orchestrator", ("reward/mean",)),
     Column("eval acc", "orchestrator", ("eval/accuracy",)),

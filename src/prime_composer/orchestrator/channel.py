@@ -1,4 +1,4 @@
-"""A channel's part in the orchestrator (``channels/spec.py`` builds one per enabled channel).
+"""A channel's part in the orchestrator (``config/channels.py`` builds one per enabled channel).
 
 Per step the loop (``loop.py``) calls, on every channel, in registration order:
 
@@ -21,8 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from prime_composer.channels import channels
-from prime_composer.channels.sections import Switched
+from prime_composer.config.channels import Switched, channels
 from prime_composer.config.orchestrator import OrchestratorConfig
 from prime_composer.orchestrator.packing import GroupPacker
 from prime_composer.orchestrator.sample import Sample

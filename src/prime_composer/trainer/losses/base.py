@@ -17,7 +17,7 @@ which has a ``weight``). The trainer step (``trainer/step.py``) knows none of th
 
 A term whose weight is 0 is never constructed (``build_terms``), so it costs nothing: no copy of
 the policy, no teacher forward, no collective. A term is the trainer side of a channel
-(``channels/spec.py``): a subclass with ``@register_term("<name>")`` in the module the channel's
+(``config/channels.py``): a subclass with ``@register_term("<name>")`` in the module the channel's
 ``ChannelSpec.term_module`` names (the built-in ones are the ``*_term`` modules here), which
 ``build_terms`` imports; its config section is the channel's ``trainer.loss.<name>``. The step
 does not change (``docs/architecture.md`` walks through an example).
@@ -31,7 +31,7 @@ from typing import Any, ClassVar, TypeVar
 
 from torch import Tensor, nn
 
-from prime_composer.channels import channel, channels
+from prime_composer.config.channels import channel, channels
 from prime_composer.config.loss import LossConfig
 from prime_composer.trainer.forward import ForwardOutput
 from prime_composer.trainer.policy_copy import CopyKind, PolicyCopy
@@ -125,7 +125,7 @@ def register_term(name: str) -> Callable[[T], T]:
         if name in LOSS_TERMS:
             raise TypeError(f"loss term {name!r} is registered twice")
         if channel(name) is None:
-            raise TypeError(f"loss term {name!r} belongs to no registered channel (channels/spec.py)")
+            raise TypeError(f"loss term {name!r} belongs to no registered channel (config/channels.py)")
         cls.name = name
         LOSS_TERMS[name] = cls.build  # type: ignore[attr-defined]
         return cls

@@ -15,13 +15,20 @@ trainer               ``term_module``: importing it registers the loss term ``<n
 metrics               ``columns`` of the progress line, ``panels`` and ``summary`` of the report
 ====================  ============================================================================
 
-This module is torch-free (``config/`` imports it): the orchestrator and trainer sides are reached
-through callables that import them when called, and through ``term_module``, a module path the
-trainer imports. The loop, the resolver, the progress line and the report iterate ``channels()``
-and name no channel.
+This module is config: torch-free, importing nothing above ``config/``. The orchestrator and
+trainer sides are reached through callables that import them when called, and through
+``term_module``, a module path the trainer imports. The loop, the resolver, the progress line and
+the report iterate ``channels()`` and name no channel.
 
-Registration: the built-in channels (``channels/rl.py``, ``sdpo.py``, ``replay.py``) are
-registered on first use; a plugin package registers its own with ``register_channel`` when
+Config sections of plugin channels: the built-in channels' sections are ordinary fields of
+``LossConfig`` and ``OrchestratorConfig`` (they show in ``--help``). Both derive from
+``ChannelSections``, which also accepts a section for every registered plugin channel, validated by
+the channel's own config class, kept beside the fields, written back by ``model_dump`` (so a
+resolved config round-trips to each process) and read with ``section(name)``; the CLI's dotted
+keys find it too (``plugin_section``). Any other unknown key stays an error.
+
+Registration: the built-in channels (``prime_composer/channels/rl.py``, ``sdpo.py``,
+``replay.py``) are imported by name on first use, like entry points; a plugin package registers its own with ``register_channel`` when
 imported, or is imported by its entry point in the ``prime_composer.channels`` group (so that
 every process of a run finds it).
 """
@@ -32,7 +39,18 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, cast
+
+from pydantic import (
+    BaseModel,
+    PrivateAttr,
+    SerializationInfo,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
+from pydantic.functional_serializers import SerializerFunctionWrapHandler
+from pydantic.functional_validators import ModelWrapValidatorHandler
 
 from prime_composer.config.base import BaseConfig
 
@@ -146,3 +164,86 @@ def channels() -> list[ChannelSpec]:
 def channel(name: str) -> ChannelSpec | None:
     _load()
     return _CHANNELS.get(name)
+
+
+# ------------------------------------------------------------------------ plugin sections
+
+
+class Weighted(Protocol):
+    """A ``trainer.loss.<name>`` section."""
+
+    weight: float
+
+
+class Switched(Protocol):
+    """An ``orchestrator.<name>`` section."""
+
+    enabled: bool
+
+
+def _plugin_configs(kind: Literal["loss", "orchestrator"], builtin: set[str]) -> dict[str, type[BaseConfig]]:
+    found: dict[str, type[BaseConfig]] = {}
+    for spec in channels():
+        config = spec.loss_config if kind == "loss" else spec.orchestrator_config
+        if config is not None and spec.name not in builtin:
+            found[spec.name] = config
+    return found
+
+
+def plugin_section(model: type[BaseModel], name: str) -> type[BaseConfig] | None:
+    """The config class of section ``name`` of ``model`` when a plugin channel brings it (for the
+    CLI's dotted keys, ``config/cli.py``); None otherwise."""
+    if not (isinstance(model, type) and issubclass(model, ChannelSections)) or name in model.model_fields:
+        return None
+    return _plugin_configs(model.channel_kind, set(model.model_fields)).get(name)
+
+
+class ChannelSections(BaseConfig):
+    """A config model that also holds the sections of registered plugin channels."""
+
+    channel_kind: ClassVar[Literal["loss", "orchestrator"]]
+    _plugins: dict[str, BaseConfig] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _plugin_sections(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        plugins: dict[str, BaseConfig] = {}
+        if isinstance(data, dict) and any(key not in cls.model_fields for key in data):
+            known = _plugin_configs(cls.channel_kind, set(cls.model_fields))
+            data = dict(data)
+            for key in [k for k in data if k in known]:
+                value = data.pop(key)
+                try:
+                    plugins[key] = (
+                        value if isinstance(value, known[key]) else known[key].model_validate(value)
+                    )
+                except ValidationError as e:
+                    problems = "; ".join(
+                        f"{'.'.join(str(p) for p in (key, *err['loc']))}: {err['msg']}" for err in e.errors()
+                    )
+                    raise ValueError(problems) from None
+        model = handler(data)
+        if plugins:
+            model._plugins = {**model._plugins, **plugins}
+        return model
+
+    @model_serializer(mode="wrap")
+    def _dump_plugins(
+        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
+    ) -> dict[str, Any]:
+        out = cast(dict[str, Any], handler(self))
+        for name, section in self._plugins.items():
+            out[name] = section.model_dump(mode=info.mode, exclude_unset=bool(info.exclude_unset))
+        return out
+
+    def section(self, name: str) -> BaseConfig:
+        """The section ``name``: a field, a plugin section given in the config, or the registered
+        plugin channel's defaults."""
+        if name in type(self).model_fields:
+            return cast(BaseConfig, getattr(self, name))
+        if name in self._plugins:
+            return self._plugins[name]
+        known = _plugin_configs(self.channel_kind, set(type(self).model_fields))
+        if name not in known:
+            raise KeyError(f"no channel {name!r} has a section in this config")
+        return known[name]()
