@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from prime_composer.config.loss import SDPOLossConfig
 from prime_composer.config.sdpo import HintConfig
 from prime_composer.model.resolve import resolve_model_name
+from prime_composer.orchestrator.record import EpisodeRecord
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.hints import HintBuilder
 from prime_composer.orchestrator.sdpo.target import sdpo_target
@@ -128,7 +129,7 @@ def test_teacher_beats_student_and_sdpo_steps_raise_the_student(warmed):
         example_id=0,
         group_id=0,
         policy_step=0,
-        info={"messages": messages, "task": {"answer": TARGET}},
+        episode=EpisodeRecord(messages=messages, task={"answer": TARGET}),
     )
     builder = HintBuilder(HintConfig(enabled=True, sources=["template"], template_dir=HINTS_DIR), tok, 128)
     assert asyncio.run(builder.apply([sample])).num_hinted == 1

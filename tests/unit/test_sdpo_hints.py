@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 from prime_composer.config.sdpo import HintConfig
 from prime_composer.model.resolve import resolve_model_name
+from prime_composer.orchestrator.record import EpisodeRecord
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.hints import HintBuilder
 from prime_composer.orchestrator.sdpo.render import assistant_turns, fit_teacher
@@ -66,11 +67,11 @@ def rollout(tok, messages, *, reward, group_id=0, info=None, **kw) -> Sample:
         example_id=group_id,
         group_id=group_id,
         policy_step=0,
-        info={
-            "messages": messages,
-            "task": {"prompt": messages[1]["content"], "answer": "7"},
+        episode=EpisodeRecord(
+            messages=messages,
+            task={"prompt": messages[1]["content"], "answer": "7"},
             **(info or {}),
-        },
+        ),
         **kw,
     )
 
@@ -114,8 +115,8 @@ def test_sibling_hint_uses_a_successful_sibling_of_the_same_group_only(tok):
     alone = single(tok, "5", 0.0, group_id=1)  # its group has no success
     other_good = single(tok, "123", 1.0, group_id=2)
     stats = build(tok, [good, bad, alone, other_good], sources=["sibling"])
-    assert bad.info["hint_source"] == "sibling"
-    assert bad.info["hint"] == "Hint: A correct answer to this task was:\n7"
+    assert sdpo_target(bad).source == "sibling"
+    assert sdpo_target(bad).hint == "Hint: A correct answer to this task was:\n7"
     assert sdpo_target(good) is None and sdpo_target(other_good) is None
     assert sdpo_target(alone) is None and stats.skipped["no_hint"] == 1
     # The hint is a user message right before the reply, rendered with the same template.
@@ -124,7 +125,7 @@ def test_sibling_hint_uses_a_successful_sibling_of_the_same_group_only(tok):
         [
             SYSTEM,
             {"role": "user", "content": "What is 3 + 4?"},
-            {"role": "user", "content": bad.info["hint"]},
+            {"role": "user", "content": sdpo_target(bad).hint},
         ],
     )
     assert sdpo_target(bad).teacher_prefix_ids == expected
@@ -135,7 +136,7 @@ def test_sibling_never_uses_the_sample_itself(tok):
     a = single(tok, "7", 0.6)
     b = single(tok, "8", 0.6)
     build(tok, [a, b], sources=["sibling"], success_threshold=0.5)
-    assert a.info["hint"].endswith("\n8") and b.info["hint"].endswith("\n7")
+    assert sdpo_target(a).hint.endswith("\n8") and sdpo_target(b).hint.endswith("\n7")
 
 
 def test_template_hint_by_error_kind(tok):
@@ -143,10 +144,10 @@ def test_template_hint_by_error_kind(tok):
     badfmt = single(tok, "eight", 0.0, metrics={"is_integer": 0.0})
     cut = single(tok, "88888", 0.0, is_truncated=True)
     build(tok, [wrong, badfmt, cut], sources=["template"], metric_error_kinds={"is_integer": "wrong_format"})
-    assert wrong.info["hint"] == "Hint: The correct answer is 7."
-    assert wrong.info["hint_template"] == "wrong_answer"
-    assert badfmt.info["hint_template"] == "wrong_format" and "eight" in badfmt.info["hint"]
-    assert cut.info["hint_template"] == "truncated"
+    assert sdpo_target(wrong).hint == "Hint: The correct answer is 7."
+    assert sdpo_target(wrong).template == "wrong_answer"
+    assert sdpo_target(badfmt).template == "wrong_format" and "eight" in sdpo_target(badfmt).hint
+    assert sdpo_target(cut).template == "truncated"
 
 
 def test_template_falls_back_to_default_when_a_placeholder_is_unknown(tok, tmp_path):
@@ -154,7 +155,7 @@ def test_template_falls_back_to_default_when_a_placeholder_is_unknown(tok, tmp_p
     (tmp_path / "default.txt").write_text("Not {reply}.")
     s = single(tok, "8", 0.0)
     build(tok, [s], sources=["template"], template_dir=tmp_path)
-    assert s.info["hint"] == "Hint: Not 8." and s.info["hint_template"] == "default"
+    assert sdpo_target(s).hint == "Hint: Not 8." and sdpo_target(s).template == "default"
 
 
 def test_missing_template_dir_or_default_is_a_config_error(tok, tmp_path):
@@ -182,7 +183,7 @@ def test_feedback_hint_goes_before_the_turn_it_is_about(tok):
     build(tok, [s], sources=["feedback", "template"])
     turns = assistant_turns(s.completion_mask)
     assert len(turns) == 2 and sdpo_target(s).span == turns[0]
-    assert s.info["hint_source"] == "feedback"
+    assert sdpo_target(s).source == "feedback"
     hint = {
         "role": "user",
         "content": "Hint: Feedback on a previous attempt at this step:\ncalc wants 3 + 4, not words",
@@ -215,7 +216,7 @@ def test_teacher_sequence_retokenizes_consistently(tok):
 
 def test_render_mismatch_gets_no_hint(tok):
     s = single(tok, "8", 0.0)
-    s.info["messages"][0] = {"role": "system", "content": "Another system prompt"}
+    s.episode.messages[0] = {"role": "system", "content": "Another system prompt"}
     stats = build(tok, [s], sources=["template"])
     assert sdpo_target(s) is None and stats.skipped["render_mismatch"] == 1
 
@@ -260,7 +261,7 @@ def test_max_hint_tokens_cuts_long_hints(tok, tmp_path):
     (tmp_path / "default.txt").write_text("word " * 100)
     s = single(tok, "8", 0.0)
     build(tok, [s], sources=["template"], template_dir=tmp_path, max_hint_tokens=10)
-    assert len(tok.encode(s.info["hint"], add_special_tokens=False)) <= 10
+    assert len(tok.encode(sdpo_target(s).hint, add_special_tokens=False)) <= 10
 
 
 def test_config_errors():
@@ -314,7 +315,7 @@ def test_llm_hint_from_an_openai_compatible_server(tok, fake_openai, monkeypatch
     s = single(tok, "8", 0.0)
     llm = {"base_url": f"{url}/v1", "model": "hinter", "api_key_env": "HINT_KEY"}
     stats = build(tok, [s], sources=["llm", "template"], llm=llm)
-    assert s.info["hint_source"] == "llm" and s.info["hint"] == "Hint: Add the two numbers: 7."
+    assert sdpo_target(s).source == "llm" and sdpo_target(s).hint == "Hint: Add the two numbers: 7."
     assert stats.num_llm_errors == 0 and stats.metrics(["llm", "template"])["sdpo/source/llm"] == 1
     (body,) = bodies
     assert body["path"] == "/v1/chat/completions" and body["model"] == "hinter"
@@ -329,7 +330,7 @@ def test_llm_failure_is_counted_and_the_next_source_is_used(tok, fake_openai):
     t = single(tok, "9", 0.0)
     llm = {"base_url": f"{url}/broken/v1", "model": "hinter", "retry": {"max_retries": 1, "backoff_s": 0}}
     stats = build(tok, [s, t], sources=["llm", "template"], llm=llm)
-    assert s.info["hint_source"] == "template" and t.info["hint_source"] == "template"
+    assert sdpo_target(s).source == "template" and sdpo_target(t).source == "template"
     assert stats.num_llm_errors == 2 and stats.metrics(["llm", "template"])["sdpo/llm_errors"] == 2
     # Nothing listening at all: still no crash.
     u = single(tok, "8", 0.0)

@@ -297,7 +297,7 @@ class Orchestrator:
         by_env: dict[str, list[float]] = defaultdict(list)
         extra: dict[str, list[float]] = defaultdict(list)
         for s in generated:
-            by_env[s.info.get("env", "env")].append(s.reward)
+            by_env[s.episode.env].append(s.reward)
             for key, value in s.metrics.items():
                 extra[key].append(value)
         if len(by_env) > 1:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from prime_composer.orchestrator.record import EpisodeRecord
+
 
 @dataclass
 class Sample:
@@ -35,8 +37,9 @@ class Sample:
     """Set when the rollout failed (bad model output, env error): recorded as data, reward 0."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Per-sample environment metrics (e.g. individual reward functions), averaged into logs."""
-    info: dict[str, Any] = field(default_factory=dict)
-    """Free-form extras (e.g. messages, env feedback) used by later stages such as SDPO hints."""
+    episode: EpisodeRecord = field(default_factory=EpisodeRecord)
+    """The episode it came from: conversation, task, per-turn records, where the error is
+    (``record.py``), typed from the rollout to the teacher service."""
     channels: dict[str, Any] = field(default_factory=dict)
     """What channels attach to the sample by channel name (``orchestrator/channel.py``), e.g. the
     SDPO target of a hinted sample (``orchestrator/sdpo/target.py``); read by their packers."""

@@ -20,6 +20,12 @@ class SDPOTarget:
     teacher_prefix_ids: list[int]
     """The tokens before the target turn with the hint inserted, rendered with the same chat template,
     so the teacher scores ``teacher_prefix_ids + completion_ids[start:end]``."""
+    source: str | None = None
+    """The hint source that wrote it (``sibling``, ``feedback``, ``template``, ``llm``)."""
+    hint: str | None = None
+    """The hint text."""
+    template: str | None = None
+    """Which template, for the template source."""
 
 
 def sdpo_target(sample: Sample) -> SDPOTarget | None:
@@ -28,7 +34,15 @@ def sdpo_target(sample: Sample) -> SDPOTarget | None:
     return target if isinstance(target, SDPOTarget) else None
 
 
-def set_sdpo_target(sample: Sample, span: tuple[int, int], teacher_prefix_ids: list[int]) -> None:
+def set_sdpo_target(
+    sample: Sample,
+    span: tuple[int, int],
+    teacher_prefix_ids: list[int],
+    *,
+    source: str | None = None,
+    hint: str | None = None,
+    template: str | None = None,
+) -> None:
     """Mark ``completion_ids[start:end]`` as the SDPO target scored after ``teacher_prefix_ids``."""
     start, end = span
     n = len(sample.completion_ids)
@@ -38,7 +52,13 @@ def set_sdpo_target(sample: Sample, span: tuple[int, int], teacher_prefix_ids: l
         raise ValueError(f"Sample: sdpo span {span} covers tokens the policy did not generate (mask 0)")
     if not teacher_prefix_ids:
         raise ValueError("Sample: the SDPO teacher prefix is empty")
-    sample.channels[NAME] = SDPOTarget(span=(start, end), teacher_prefix_ids=list(teacher_prefix_ids))
+    sample.channels[NAME] = SDPOTarget(
+        span=(start, end),
+        teacher_prefix_ids=list(teacher_prefix_ids),
+        source=source,
+        hint=hint,
+        template=template,
+    )
 
 
 def clear_sdpo_target(sample: Sample) -> None:
