@@ -98,13 +98,13 @@ class Orchestrator:
             timeout_s=config.weights_timeout_s,
         )
         sender = make_sender(config.transport, config.output_dir)
-        for channel in self.channels:
-            await channel.open()
-        shaping = [c.process_rewards for c in self.channels if c.process_rewards is not None]
-        if len(shaping) > 1:
-            raise ValueError("more than one channel shapes the rewards (process_rewards)")
         eval_sampling = config.sampling.model_copy(update={"temperature": config.eval.temperature})
         try:
+            for channel in self.channels:
+                await channel.open()  # closed in ``finally``, opened or not
+            shaping = [c.process_rewards for c in self.channels if c.process_rewards is not None]
+            if len(shaping) > 1:
+                raise ValueError("more than one channel shapes the rewards (process_rewards)")
             async with (
                 RolloutRunner(
                     self.envs,
