@@ -11,20 +11,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from prime_composer.config.channels import Column, channels
 from prime_composer.io import atomic_write_bytes
 from prime_composer.metrics import read_metrics
 
-# (title, process, metric keys tried in order)
-PANELS: list[tuple[str, str, tuple[str, ...]]] = [
-    ("reward (train samples)", "orchestrator", ("reward/mean",)),
-    ("loss", "trainer", ("loss/total", "loss")),
-    ("entropy", "trainer", ("entropy",)),
-    ("held-out accuracy", "orchestrator", ("eval/accuracy",)),
-    ("SDPO loss", "trainer", ("loss/sdpo",)),
-    ("hinted fraction", "orchestrator", ("sdpo/hinted_fraction",)),
-    ("replay pairs per step", "orchestrator", ("replay/pairs",)),
-    ("replay DPO loss", "trainer", ("loss/replay",)),
-]
+# (title, process, metric keys tried in order); every channel's panels follow
+# (``config/channels.py``: ``ChannelSpec.panels``).
+HEAD_PANELS: tuple[Column, ...] = (
+    Column("reward (train samples)", "orchestrator", ("reward/mean",)),
+    Column("loss", "trainer", ("loss/total", "loss")),
+    Column("held-out accuracy", "orchestrator", ("eval/accuracy",)),
+)
+
+
+def panels() -> list[Column]:
+    return [*HEAD_PANELS, *(p for spec in channels() for p in spec.panels)]
 
 
 def _series(records: list[dict[str, Any]], keys: tuple[str, ...]) -> tuple[list[int], list[float], str]:
@@ -49,23 +50,23 @@ def write_report_png(output_dir: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     run = load_run(output_dir)
-    panels = []
-    for title, process, keys in PANELS:
-        steps, values, key = _series(run.get(process, []), keys)
+    shown = []
+    for panel in panels():
+        steps, values, key = _series(run.get(panel.process, []), panel.keys)
         if steps:
-            panels.append((title, steps, values, key))
-    if not panels:
+            shown.append((panel.label, steps, values, key))
+    if not shown:
         return None
-    cols = min(2, len(panels))
-    rows = (len(panels) + cols - 1) // cols
+    cols = min(2, len(shown))
+    rows = (len(shown) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows), squeeze=False)
-    for ax, (title, steps, values, key) in zip(axes.flat, panels, strict=False):
+    for ax, (title, steps, values, key) in zip(axes.flat, shown, strict=False):
         ax.plot(steps, values, marker="o", markersize=3)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels) :]:
+    for ax in list(axes.flat)[len(shown) :]:
         ax.axis("off")
     fig.suptitle(str(output_dir))
     fig.tight_layout()
@@ -98,28 +99,10 @@ def summary(output_dir: Path) -> str:
     if trainer:
         wall = trainer[-1]["time"] - trainer[0]["time"]
         lines.append(f"trainer steps: {trainer[-1]['step']} in {wall:.0f} s")
-    lines += _replay_lines(orch, run.get("teacher", []))
+    for spec in channels():
+        if spec.summary is not None:
+            lines += spec.summary(run)
     return "\n".join(lines)
-
-
-def _replay_lines(orch: list[dict[str, Any]], teacher: list[dict[str, Any]]) -> list[str]:
-    """The replay channel's totals (nothing when the run had none)."""
-    lines = []
-    _, pairs, _ = _series(orch, ("replay/pairs",))
-    if pairs:
-        lines.append(
-            f"replay: {sum(pairs):.0f} pairs in {len(pairs)} steps ({sum(pairs) / len(pairs):.1f} per step, "
-            f"{sum(1 for p in pairs if p > 0)} steps with pairs)"
-        )
-    if teacher:
-        last = teacher[-1]
-        lines.append(
-            f"teachers: ${last.get('teacher/spent_usd', 0.0):.4f} spent on {last.get('teacher/calls_paid', 0):.0f} "
-            f"calls, {last.get('teacher/votes', 0):.0f} votes, agreement with the policy "
-            f"{last.get('teacher/agreement_rate', 0.0):.2f}, {last.get('teacher/steps_pair', 0):.0f} steps "
-            f"became pairs, {last.get('teacher/steps_confirmed', 0):.0f} confirmed"
-        )
-    return lines
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from prime_composer.config.loss import LossConfig
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.packing import SDPOPacker
+from prime_composer.orchestrator.sdpo.target import set_sdpo_target
 from prime_composer.trainer.losses.base import TermContext, build_terms
 from prime_composer.trainer.model import init_distributed, load_model, shard_model
 from prime_composer.trainer.step import train_step
@@ -49,7 +50,7 @@ def samples() -> list[Sample]:
         )
         if i % 3 == 0:
             hint = [rng.randint(3, 400) for _ in range(3)]
-            s.set_sdpo_target((1, len(completion)), prompt + completion[:1] + hint)
+            set_sdpo_target(s, (1, len(completion)), prompt + completion[:1] + hint)
         out.append(s)
     return out
 

@@ -21,6 +21,7 @@ from prime_composer.config.loss import SDPOLossConfig
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.packing import SDPOPacker
+from prime_composer.orchestrator.sdpo.target import set_sdpo_target
 from prime_composer.trainer.losses.sdpo_term import SDPOTerm
 from prime_composer.trainer.model import full_state_dict, init_distributed, load_model, shard_model
 from prime_composer.trainer.policy_copy import PolicyCopy
@@ -43,7 +44,7 @@ def hinted_sample() -> Sample:
         group_id=0,
         policy_step=0,
     )
-    s.set_sdpo_target((1, 4), TEACHER_PREFIX)
+    set_sdpo_target(s, (1, 4), TEACHER_PREFIX)
     return s
 
 

@@ -25,11 +25,11 @@ from prime_composer.config.sdpo import HintConfig
 from prime_composer.config.teacher import TraceSourceConfig
 from prime_composer.model.resolve import resolve_model_name
 from prime_composer.orchestrator import envs
-from prime_composer.orchestrator.replay.traces import samples_to_traces
 from prime_composer.orchestrator.rollout import RolloutRunner
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.hints import HintBuilder
-from prime_composer.orchestrator.trace_export import episode_trace
+from prime_composer.orchestrator.sdpo.target import sdpo_target
+from prime_composer.orchestrator.trace_export import episode_trace, samples_to_traces
 from prime_composer.teacher.traces import parse_trace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,31 +112,31 @@ def test_the_oracle_solves_every_function(server, pyfix) -> None:
     for group in groups:
         (sample,) = group
         assert sample.error is None and sample.reward == 1.0, sample.error
-        assert sample.info["stop"] == "final_answer" and not sample.is_truncated
+        assert sample.episode.stop == "final_answer" and not sample.is_truncated
         assert sample.metrics["agent/num_tool_calls"] == 4.0 and sample.metrics["agent/tool_errors"] == 0.0
         assert sample.metrics["edited"] == 1.0 and sample.policy_step == 3
 
 
 def test_noop_and_broken_agents_get_zero_and_the_run_goes_on(server, pyfix) -> None:
     ((noop,),), ((broken,),) = play(pyfix, server[1], "noop", [0]), play(pyfix, server[1], "broken", [1])
-    assert noop.error is None and noop.reward == 0.0 and noop.info["stop"] == "final_answer"
+    assert noop.error is None and noop.reward == 0.0 and noop.episode.stop == "final_answer"
     assert noop.metrics["edited"] == 0.0
     # The grader's test output is left as feedback (about the last turn).
     assert (
-        noop.info["feedback"][0]["kind"] == "failing_test"
-        and "0 passed, 1 failed" in noop.info["feedback"][0]["text"]
+        noop.episode.feedback[0]["kind"] == "failing_test"
+        and "0 passed, 1 failed" in noop.episode.feedback[0]["text"]
     )
     assert broken.error is None and broken.reward == 0.0
-    assert broken.info["stop"] == "max_turns" and broken.is_truncated
+    assert broken.episode.stop == "max_turns" and broken.is_truncated
     assert broken.metrics["agent/malformed_calls"] == 6.0 and broken.metrics["agent/num_tool_calls"] == 0.0
-    assert broken.info["error_turn"] == 0
+    assert broken.episode.error_turn == 0
 
 
 def test_sample_tokens_are_exactly_what_the_server_saw_and_sampled(server, pyfix, tok) -> None:
     scripted, base_url = server
     scripted.calls.clear()
     ((sample,),) = play(pyfix, base_url, "oracle", [2])
-    turns = sample.info["turns"]
+    turns = sample.episode.turns
     assert len(turns) == len(scripted.calls) == 5
     replies = oracle_replies(pyfix.tasks()[2].data)
     for turn, (prompt, reply), text in zip(turns, scripted.calls, replies, strict=True):
@@ -165,7 +165,7 @@ def test_sample_tokens_are_exactly_what_the_server_saw_and_sampled(server, pyfix
     ]
     assert [[r.exit_code for r in t.tool_results] for t in turns] == [[1], [None], [None], [0], []]
     assert all(t.model_s >= 0 and t.started_s >= 0 for t in turns)
-    assert sample.info["messages"][turns[1].message_index + 1]["content"].startswith("1\tdef ")
+    assert sample.episode.messages[turns[1].message_index + 1]["content"].startswith("1\tdef ")
 
 
 def test_a_failed_model_call_is_an_error_sample_and_workspaces_are_removed(server, pyfix) -> None:
@@ -185,8 +185,8 @@ def test_sft_records_are_the_oracle_episode(server, pyfix) -> None:
     def without_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{k: v for k, v in m.items() if k != "tool_call_id"} for m in messages]
 
-    assert without_ids(records[4]["messages"]) == without_ids(sample.info["messages"])
-    assert records[4]["tools"] == sample.info["tools"]
+    assert without_ids(records[4]["messages"]) == without_ids(sample.episode.messages)
+    assert records[4]["tools"] == sample.episode.tools
 
 
 def hint_builder(tok: Any, **cfg: Any) -> HintBuilder:
@@ -200,14 +200,16 @@ def test_sdpo_targets_the_turn_the_error_points_to(
     server, pyfix, tok, agent: str, error_turn: int, kind: str
 ) -> None:
     ((sample,),) = play(pyfix, server[1], agent, [0])
-    assert sample.reward == 0.0 and sample.info["error_turn"] == error_turn
+    assert sample.reward == 0.0 and sample.episode.error_turn == error_turn
     stats = asyncio.run(hint_builder(tok, sources=["feedback", "template"]).apply([sample]))
-    assert stats.num_hinted == 1 and sample.info["hint_source"] == "feedback"
-    turn = sample.info["turns"][error_turn]
-    assert sample.sdpo is not None and sample.sdpo.span == turn.span  # that turn's assistant tokens only
+    assert stats.num_hinted == 1 and sdpo_target(sample).source == "feedback"
+    turn = sample.episode.turns[error_turn]
+    assert (
+        sdpo_target(sample) is not None and sdpo_target(sample).span == turn.span
+    )  # that turn's assistant tokens only
     # The teacher sees the conversation before that turn, then the hint, then the generation prompt.
-    messages = sample.info["messages"]
-    feedback = next(f for f in sample.info["feedback"] if f["turn"] == error_turn)
+    messages = sample.episode.messages
+    feedback = next(f for f in sample.episode.feedback if f["turn"] == error_turn)
     assert feedback["kind"] == kind
     hint = {
         "role": "user",
@@ -217,25 +219,25 @@ def test_sdpo_targets_the_turn_the_error_points_to(
         [*messages[: turn.message_index], hint],
         tokenize=False,
         add_generation_prompt=True,
-        tools=sample.info["tools"],
+        tools=sample.episode.tools,
     )
-    assert tok.decode(sample.sdpo.teacher_prefix_ids) == expected
+    assert tok.decode(sdpo_target(sample).teacher_prefix_ids) == expected
     # ... sharing the student's own tokens up to where the hint goes.
     student = sample.prompt_ids + sample.completion_ids[: turn.span[0]]
     shared = len(
-        tok.apply_chat_template(messages[: turn.message_index], tokenize=False, tools=sample.info["tools"])
+        tok.apply_chat_template(messages[: turn.message_index], tokenize=False, tools=sample.episode.tools)
     )
     kept = max(k for k in range(len(student) + 1) if len(tok.decode(student[:k])) <= shared)
-    assert sample.sdpo.teacher_prefix_ids[:kept] == student[:kept]
+    assert sdpo_target(sample).teacher_prefix_ids[:kept] == student[:kept]
 
 
 def test_sibling_hints_use_the_successful_siblings_reply_at_the_same_step(server, pyfix, tok) -> None:
     ((good,),), ((bad,),) = play(pyfix, server[1], "oracle", [0]), play(pyfix, server[1], "wrong_fix", [0])
     assert good.group_id == bad.group_id
     asyncio.run(hint_builder(tok, sources=["sibling"]).apply([good, bad]))
-    assert bad.sdpo is not None and bad.sdpo.span == bad.info["turns"][2].span
+    assert sdpo_target(bad) is not None and sdpo_target(bad).span == bad.episode.turns[2].span
     assert (
-        bad.info["hint"]
+        sdpo_target(bad).hint
         == "Hint: A correct answer to this task was:\n" + oracle_replies(pyfix.tasks()[0].data)[2]
     )
 
@@ -256,7 +258,7 @@ def test_an_episode_exports_to_the_replay_trace_store(server, pyfix) -> None:
         [],
     ]
     assert steps[4].content == "Fixed: the tests pass." and steps[0].content == ""
-    for step, turn in zip(steps, sample.info["turns"], strict=True):
+    for step, turn in zip(steps, sample.episode.turns, strict=True):
         start, end = turn.span
         assert step.token_ids == sample.completion_ids[start:end]
         assert step.prompt_token_ids == sample.prompt_ids + sample.completion_ids[:start]

@@ -373,4 +373,4 @@ def test_episodes_run_through_the_agent_harness_in_the_environments_sandbox(buil
     assert oracle.error is None and oracle.reward == 1.0, oracle.error
     assert oracle.metrics["agent/num_tool_calls"] == 1.0
     assert noop.error is None and noop.reward == 0.0
-    assert noop.info["feedback"][0]["kind"] == "failing_test"
+    assert noop.episode.feedback[0]["kind"] == "failing_test"

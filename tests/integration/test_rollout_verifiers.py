@@ -262,13 +262,13 @@ def test_group_tokens_logprobs_rewards(server, arith) -> None:
         assert sample.completion_mask == [1] * len(expected)
         assert sample.metrics["reward/correct"] == sample.reward
         assert sample.metrics["is_integer"] == float(sample.reward == 1.0)
-        assert sample.info["messages"][-1] == {"role": "assistant", "content": reply}
+        assert sample.episode.messages[-1] == {"role": "assistant", "content": reply}
         assert not sample.is_truncated
         if sample.reward == 0.0:  # the environment's feedback reaches the sample (SDPO hints)
-            assert sample.info["feedback"]["kind"] == "wrong_format"
-            assert f"'x{answer}'" in sample.info["feedback"]["text"]
+            assert sample.episode.feedback["kind"] == "wrong_format"
+            assert f"'x{answer}'" in sample.episode.feedback["text"]
         else:
-            assert "feedback" not in sample.info
+            assert sample.episode.feedback is None
 
     sent = fake.requests[num_before:]
     assert len(sent) == 8
@@ -350,14 +350,14 @@ def test_multi_turn_token_mismatch_splits_the_rollout_and_env_exceptions_are_err
     later = [user0, {"role": "assistant", "content": "1"}, {"role": "user", "content": "What is 1 + 1?"}]
     for first, second in zip(mismatch[::2], mismatch[1::2], strict=True):
         assert first.error is None and second.error is None
-        assert first.info["trace_id"] == second.info["trace_id"]
+        assert first.episode.trace_id == second.episode.trace_id
         assert first.prompt_ids == tokenize(render([user0]))
         assert first.completion_ids == [t + 500 for t in tokenize("1")] + [EOS]
         assert second.prompt_ids == tokenize(render(later))
         assert second.completion_ids == [t + 500 for t in tokenize("2")] + [EOS]
         assert second.completion_mask == [1] * len(second.completion_ids)
         assert first.reward == second.reward == 1.0
-        assert [t.index for t in first.info["turns"]] == [0] and [t.index for t in second.info["turns"]] == [
+        assert [t.index for t in first.episode.turns] == [0] and [t.index for t in second.episode.turns] == [
             1
         ]
     (boom,) = run_groups(loaded, base_url, "right", group_size=2, task_offset=2)

@@ -20,8 +20,10 @@ from prime_composer.config.inference import InferenceConfig
 from prime_composer.config.sdpo import HintConfig
 from prime_composer.inference.local import running_server
 from prime_composer.model.resolve import resolve_model_name
+from prime_composer.orchestrator.record import EpisodeRecord
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.hints import HintBuilder
+from prime_composer.orchestrator.sdpo.target import sdpo_target
 
 MODEL = "builtin:tiny-qwen3"
 
@@ -50,7 +52,7 @@ def test_llm_hint_from_the_embedded_server(server):
         example_id=0,
         group_id=0,
         policy_step=0,
-        info={"messages": messages, "task": {"answer": "7"}},
+        episode=EpisodeRecord(messages=messages, task={"answer": "7"}),
     )
     cfg = HintConfig(
         enabled=True,
@@ -65,10 +67,10 @@ def test_llm_hint_from_the_embedded_server(server):
     )
     stats = asyncio.run(HintBuilder(cfg, tok, 256).apply([sample]))
     assert stats.num_llm_errors == 0 and stats.num_hinted == 1, stats
-    assert sample.info["hint_source"] == "llm"
-    hint = sample.info["hint"]
+    assert sdpo_target(sample).source == "llm"
+    hint = sdpo_target(sample).hint
     assert hint.startswith("Hint: ") and len(hint) > len("Hint: ")
     expected = tok.apply_chat_template(
         [messages[0], {"role": "user", "content": hint}], add_generation_prompt=True, tokenize=False
     )
-    assert tok.decode(sample.sdpo.teacher_prefix_ids) == expected
+    assert tok.decode(sdpo_target(sample).teacher_prefix_ids) == expected

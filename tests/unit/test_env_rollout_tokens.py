@@ -10,6 +10,7 @@ from prime_composer.config.advantage import AdvantageConfig
 from prime_composer.config.env import SamplingConfig
 from prime_composer.orchestrator.advantages import compute_advantages
 from prime_composer.orchestrator.harness import TurnRecord, turn_record
+from prime_composer.orchestrator.record import EpisodeRecord
 from prime_composer.orchestrator.rollout import (
     TokenError,
     assemble_tokens,
@@ -153,7 +154,15 @@ def test_extra_body_and_optional_fields_pass_through() -> None:
 def test_the_samples_of_a_split_episode_count_once_in_the_group_baseline() -> None:
     def sample(trace: str, reward: float) -> Sample:
         return Sample(
-            [1], [2], [0.0], [1], reward, example_id=0, group_id=5, policy_step=0, info={"trace_id": trace}
+            [1],
+            [2],
+            [0.0],
+            [1],
+            reward,
+            example_id=0,
+            group_id=5,
+            policy_step=0,
+            episode=EpisodeRecord(trace_id=trace),
         )
 
     group = [sample("a", 1.0), sample("a", 1.0), sample("b", 0.0), sample("c", 0.0)]

@@ -21,10 +21,11 @@ from prime_composer.config.resolve import resolve_rl_config
 from prime_composer.config.teacher import TraceSourceConfig
 from prime_composer.model.resolve import resolve_model_name
 from prime_composer.orchestrator.packing import pack_step
+from prime_composer.orchestrator.record import EpisodeRecord
 from prime_composer.orchestrator.replay.packing import DPOPacker
 from prime_composer.orchestrator.replay.source import PairSource
-from prime_composer.orchestrator.replay.traces import sample_to_trace
 from prime_composer.orchestrator.sample import Sample
+from prime_composer.orchestrator.trace_export import sample_to_trace
 from prime_composer.teacher.pairs import Pair
 from prime_composer.teacher.traces import parse_trace
 from prime_composer.trainer.losses.base import TermContext, build_terms
@@ -210,8 +211,8 @@ def test_the_source_takes_each_pair_once_and_resumes_from_its_cursor(tmp_path: P
 def test_rollouts_become_valid_traces() -> None:
     s = Sample(
         [1, 2, 3], [4, 5, 6], [-0.1, -0.2, -0.3], [1, 1, 1], 1.0, 0, 0, 0,
-        info={"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
-              "trace_id": "abc", "task": {"answer": "4"}},
+        episode=EpisodeRecord(messages=[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+              trace_id="abc", task={"answer": "4"}),
     )  # fmt: skip
     trace = sample_to_trace(s)
     assert trace is not None

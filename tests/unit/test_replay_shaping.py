@@ -12,9 +12,10 @@ from prime_composer.config.errors import ConfigError
 from prime_composer.config.resolve import resolve_rl_config
 from prime_composer.config.teacher import PairConfig, TraceSourceConfig
 from prime_composer.orchestrator.advantages import compute_advantages, filter_zero_variance
+from prime_composer.orchestrator.record import EpisodeRecord
 from prime_composer.orchestrator.replay.shaping import ProcessRewards
-from prime_composer.orchestrator.replay.traces import sample_to_trace
 from prime_composer.orchestrator.sample import Sample
+from prime_composer.orchestrator.trace_export import sample_to_trace
 from prime_composer.teacher.actions import Action
 from prime_composer.teacher.service import _summary
 from prime_composer.teacher.store import PlannedStep, TeacherStore
@@ -25,7 +26,15 @@ from prime_composer.teacher.votes import Vote, label_step, process_reward
 def rollout(question: str, answer: str, reward: float, group_id: int = 0) -> Sample:
     messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     return Sample(
-        [1, 2, 3], [4, 5], [-0.5, -0.5], [1, 1], reward, 0, group_id, 0, info={"messages": messages}
+        [1, 2, 3],
+        [4, 5],
+        [-0.5, -0.5],
+        [1, 1],
+        reward,
+        0,
+        group_id,
+        0,
+        episode=EpisodeRecord(messages=messages),
     )
 
 

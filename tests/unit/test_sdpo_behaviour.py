@@ -26,8 +26,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from prime_composer.config.loss import SDPOLossConfig
 from prime_composer.config.sdpo import HintConfig
 from prime_composer.model.resolve import resolve_model_name
+from prime_composer.orchestrator.record import EpisodeRecord
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.hints import HintBuilder
+from prime_composer.orchestrator.sdpo.target import sdpo_target
 from prime_composer.trainer.losses.aggregate import token_normalizer
 from prime_composer.trainer.losses.sdpo import sdpo_loss
 from prime_composer.trainer.policy_copy import PolicyCopy
@@ -127,15 +129,15 @@ def test_teacher_beats_student_and_sdpo_steps_raise_the_student(warmed):
         example_id=0,
         group_id=0,
         policy_step=0,
-        info={"messages": messages, "task": {"answer": TARGET}},
+        episode=EpisodeRecord(messages=messages, task={"answer": TARGET}),
     )
     builder = HintBuilder(HintConfig(enabled=True, sources=["template"], template_dir=HINTS_DIR), tok, 128)
     assert asyncio.run(builder.apply([sample])).num_hinted == 1
-    assert sample.sdpo.teacher_prefix_ids == _render(tok, [_question(3, 4), _hint(TARGET)])
-    start, end = sample.sdpo.span
+    assert sdpo_target(sample).teacher_prefix_ids == _render(tok, [_question(3, 4), _hint(TARGET)])
+    start, end = sdpo_target(sample).span
 
     teacher = PolicyCopy(model, "frozen")
-    teacher_lp = _answer_logprob(teacher.module, sample.sdpo.teacher_prefix_ids, answer[start:end])
+    teacher_lp = _answer_logprob(teacher.module, sdpo_target(sample).teacher_prefix_ids, answer[start:end])
     student_before = _answer_logprob(model, prompt, answer)
     assert teacher_lp > student_before + 2.0, (teacher_lp, student_before)
 
@@ -143,9 +145,9 @@ def test_teacher_beats_student_and_sdpo_steps_raise_the_student(warmed):
     student_ids = torch.tensor([prompt + answer])
     sdpo_mask = torch.zeros_like(student_ids, dtype=torch.bool)
     sdpo_mask[0, len(prompt) + start : len(prompt) + end] = True
-    teacher_ids = torch.tensor([sample.sdpo.teacher_prefix_ids + answer[start:end]])
+    teacher_ids = torch.tensor([sdpo_target(sample).teacher_prefix_ids + answer[start:end]])
     teacher_mask = torch.zeros_like(teacher_ids, dtype=torch.bool)
-    teacher_mask[0, len(sample.sdpo.teacher_prefix_ids) :] = True
+    teacher_mask[0, len(sdpo_target(sample).teacher_prefix_ids) :] = True
     cfg = SDPOLossConfig(weight=1.0, teacher="frozen")
     normalizer = token_normalizer([sdpo_mask])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -171,5 +173,5 @@ def test_teacher_beats_student_and_sdpo_steps_raise_the_student(warmed):
     assert teacher.num_forwards == 8
     # The frozen teacher did not move.
     assert _answer_logprob(
-        teacher.module, sample.sdpo.teacher_prefix_ids, answer[start:end]
+        teacher.module, sdpo_target(sample).teacher_prefix_ids, answer[start:end]
     ) == pytest.approx(teacher_lp)

@@ -19,9 +19,11 @@ from transformers import AutoTokenizer
 
 from prime_composer.config.sdpo import HintConfig
 from prime_composer.model.resolve import resolve_model_name
+from prime_composer.orchestrator.record import EpisodeRecord
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.hints import HintBuilder
 from prime_composer.orchestrator.sdpo.render import assistant_turns, fit_teacher
+from prime_composer.orchestrator.sdpo.target import sdpo_target
 
 HINTS_DIR = Path(__file__).resolve().parents[2] / "orchestrator" / "hints"
 SYSTEM = {"role": "system", "content": "You are a helpful assistant"}
@@ -65,11 +67,11 @@ def rollout(tok, messages, *, reward, group_id=0, info=None, **kw) -> Sample:
         example_id=group_id,
         group_id=group_id,
         policy_step=0,
-        info={
-            "messages": messages,
-            "task": {"prompt": messages[1]["content"], "answer": "7"},
+        episode=EpisodeRecord(
+            messages=messages,
+            task={"prompt": messages[1]["content"], "answer": "7"},
             **(info or {}),
-        },
+        ),
         **kw,
     )
 
@@ -86,8 +88,8 @@ def build(tok, samples, seq_len=512, **cfg):
 
 
 def teacher_text(tok, s: Sample) -> str:
-    start, end = s.sdpo.span
-    return tok.decode(s.sdpo.teacher_prefix_ids + s.completion_ids[start:end])
+    start, end = sdpo_target(s).span
+    return tok.decode(sdpo_target(s).teacher_prefix_ids + s.completion_ids[start:end])
 
 
 def test_assistant_turns():
@@ -98,13 +100,13 @@ def test_assistant_turns():
 def test_targets_lowest_reward_first_capped_by_fraction(tok):
     group = [single(tok, "7", 1.0), single(tok, "8", 0.0), single(tok, "9", 0.5), single(tok, "6", 0.0)]
     stats = build(tok, group, sources=["template"], max_hinted_fraction=0.5)
-    assert [s.sdpo is not None for s in group] == [False, True, False, True]
+    assert [sdpo_target(s) is not None for s in group] == [False, True, False, True]
     assert stats.num_candidates == 3 and stats.num_hinted == 2
     m = stats.metrics(["template"])
     assert m["sdpo/hinted_fraction"] == 0.5 and m["sdpo/source/template"] == 2
     assert m["sdpo/skipped/over_fraction"] == 1
     # Single turn: the span is the whole completion.
-    assert group[1].sdpo.span == (0, len(group[1].completion_ids))
+    assert sdpo_target(group[1]).span == (0, len(group[1].completion_ids))
 
 
 def test_sibling_hint_uses_a_successful_sibling_of_the_same_group_only(tok):
@@ -113,20 +115,20 @@ def test_sibling_hint_uses_a_successful_sibling_of_the_same_group_only(tok):
     alone = single(tok, "5", 0.0, group_id=1)  # its group has no success
     other_good = single(tok, "123", 1.0, group_id=2)
     stats = build(tok, [good, bad, alone, other_good], sources=["sibling"])
-    assert bad.info["hint_source"] == "sibling"
-    assert bad.info["hint"] == "Hint: A correct answer to this task was:\n7"
-    assert good.sdpo is None and other_good.sdpo is None
-    assert alone.sdpo is None and stats.skipped["no_hint"] == 1
+    assert sdpo_target(bad).source == "sibling"
+    assert sdpo_target(bad).hint == "Hint: A correct answer to this task was:\n7"
+    assert sdpo_target(good) is None and sdpo_target(other_good) is None
+    assert sdpo_target(alone) is None and stats.skipped["no_hint"] == 1
     # The hint is a user message right before the reply, rendered with the same template.
     expected = render(
         tok,
         [
             SYSTEM,
             {"role": "user", "content": "What is 3 + 4?"},
-            {"role": "user", "content": bad.info["hint"]},
+            {"role": "user", "content": sdpo_target(bad).hint},
         ],
     )
-    assert bad.sdpo.teacher_prefix_ids == expected
+    assert sdpo_target(bad).teacher_prefix_ids == expected
 
 
 def test_sibling_never_uses_the_sample_itself(tok):
@@ -134,7 +136,7 @@ def test_sibling_never_uses_the_sample_itself(tok):
     a = single(tok, "7", 0.6)
     b = single(tok, "8", 0.6)
     build(tok, [a, b], sources=["sibling"], success_threshold=0.5)
-    assert a.info["hint"].endswith("\n8") and b.info["hint"].endswith("\n7")
+    assert sdpo_target(a).hint.endswith("\n8") and sdpo_target(b).hint.endswith("\n7")
 
 
 def test_template_hint_by_error_kind(tok):
@@ -142,10 +144,10 @@ def test_template_hint_by_error_kind(tok):
     badfmt = single(tok, "eight", 0.0, metrics={"is_integer": 0.0})
     cut = single(tok, "88888", 0.0, is_truncated=True)
     build(tok, [wrong, badfmt, cut], sources=["template"], metric_error_kinds={"is_integer": "wrong_format"})
-    assert wrong.info["hint"] == "Hint: The correct answer is 7."
-    assert wrong.info["hint_template"] == "wrong_answer"
-    assert badfmt.info["hint_template"] == "wrong_format" and "eight" in badfmt.info["hint"]
-    assert cut.info["hint_template"] == "truncated"
+    assert sdpo_target(wrong).hint == "Hint: The correct answer is 7."
+    assert sdpo_target(wrong).template == "wrong_answer"
+    assert sdpo_target(badfmt).template == "wrong_format" and "eight" in sdpo_target(badfmt).hint
+    assert sdpo_target(cut).template == "truncated"
 
 
 def test_template_falls_back_to_default_when_a_placeholder_is_unknown(tok, tmp_path):
@@ -153,7 +155,7 @@ def test_template_falls_back_to_default_when_a_placeholder_is_unknown(tok, tmp_p
     (tmp_path / "default.txt").write_text("Not {reply}.")
     s = single(tok, "8", 0.0)
     build(tok, [s], sources=["template"], template_dir=tmp_path)
-    assert s.info["hint"] == "Hint: Not 8." and s.info["hint_template"] == "default"
+    assert sdpo_target(s).hint == "Hint: Not 8." and sdpo_target(s).template == "default"
 
 
 def test_missing_template_dir_or_default_is_a_config_error(tok, tmp_path):
@@ -180,43 +182,43 @@ def test_feedback_hint_goes_before_the_turn_it_is_about(tok):
     s, msgs = _multi_turn(tok, info={"feedback": [feedback]})
     build(tok, [s], sources=["feedback", "template"])
     turns = assistant_turns(s.completion_mask)
-    assert len(turns) == 2 and s.sdpo.span == turns[0]
-    assert s.info["hint_source"] == "feedback"
+    assert len(turns) == 2 and sdpo_target(s).span == turns[0]
+    assert sdpo_target(s).source == "feedback"
     hint = {
         "role": "user",
         "content": "Hint: Feedback on a previous attempt at this step:\ncalc wants 3 + 4, not words",
     }
-    assert s.sdpo.teacher_prefix_ids == render(tok, [*msgs[:2], hint])
+    assert sdpo_target(s).teacher_prefix_ids == render(tok, [*msgs[:2], hint])
     # Only policy tokens of the target turn: none of the spliced environment tokens.
-    assert all(s.completion_mask[s.sdpo.span[0] : s.sdpo.span[1]])
+    assert all(s.completion_mask[sdpo_target(s).span[0] : sdpo_target(s).span[1]])
 
 
 def test_error_defaults_to_the_last_turn_and_append_placement(tok):
     s, msgs = _multi_turn(tok)
     build(tok, [s], sources=["template"], placement="append", hint_format="[{hint}]")
-    assert s.sdpo.span == assistant_turns(s.completion_mask)[-1]
+    assert sdpo_target(s).span == assistant_turns(s.completion_mask)[-1]
     hinted = [dict(m) for m in msgs[:4]]
     hinted[3]["content"] += "\n\n[The correct answer is 7.]"
-    assert s.sdpo.teacher_prefix_ids == render(tok, hinted)
+    assert sdpo_target(s).teacher_prefix_ids == render(tok, hinted)
 
 
 def test_teacher_sequence_retokenizes_consistently(tok):
     for s in (single(tok, "8", 0.0), _multi_turn(tok)[0]):
         build(tok, [s], sources=["template"])
-        start, end = s.sdpo.span
-        ids = s.sdpo.teacher_prefix_ids + s.completion_ids[start:end]
+        start, end = sdpo_target(s).span
+        ids = sdpo_target(s).teacher_prefix_ids + s.completion_ids[start:end]
         assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
         # ... and is the template's rendering of the hinted chat with the same reply.
-        hinted_chat = tok.decode(s.sdpo.teacher_prefix_ids) + tok.decode(s.completion_ids[start:end])
+        hinted_chat = tok.decode(sdpo_target(s).teacher_prefix_ids) + tok.decode(s.completion_ids[start:end])
         assert hinted_chat.endswith("<|im_start|>assistant\n8<|im_end|>")
         assert "Hint: The correct answer is 7.<|im_end|>\n<|im_start|>assistant\n8<|im_end|>" in hinted_chat
 
 
 def test_render_mismatch_gets_no_hint(tok):
     s = single(tok, "8", 0.0)
-    s.info["messages"][0] = {"role": "system", "content": "Another system prompt"}
+    s.episode.messages[0] = {"role": "system", "content": "Another system prompt"}
     stats = build(tok, [s], sources=["template"])
-    assert s.sdpo is None and stats.skipped["render_mismatch"] == 1
+    assert sdpo_target(s) is None and stats.skipped["render_mismatch"] == 1
 
 
 def test_bad_feedback_and_error_turn_are_counted_not_raised(tok):
@@ -234,15 +236,17 @@ def test_truncation_cuts_the_middle_keeping_task_and_target(tok):
     assert len(full_prefix) + span_len > seq_len
     stats = build(tok, [s], seq_len=seq_len, sources=["template"])
     assert stats.num_teacher_truncated == 1
-    start, end = s.sdpo.span
-    teacher = s.sdpo.teacher_prefix_ids + s.completion_ids[start:end]
+    start, end = sdpo_target(s).span
+    teacher = sdpo_target(s).teacher_prefix_ids + s.completion_ids[start:end]
     assert len(teacher) <= seq_len and end - start == span_len
     task = render(tok, msgs[:2], gen=False)
     assert teacher[: len(task)] == task  # the task statement survives, from the first token
     hint_tail = render(tok, [*msgs[:-1], {"role": "user", "content": "Hint: The correct answer is 7."}])
     tail = hint_tail[len(render(tok, msgs[:-1], gen=False)) :]
-    assert s.sdpo.teacher_prefix_ids[-len(tail) :] == tail  # hint + generation prompt survive
-    assert "continue" in tok.decode(s.sdpo.teacher_prefix_ids[len(task) : -len(tail)])  # recent history kept
+    assert sdpo_target(s).teacher_prefix_ids[-len(tail) :] == tail  # hint + generation prompt survive
+    assert "continue" in tok.decode(
+        sdpo_target(s).teacher_prefix_ids[len(task) : -len(tail)]
+    )  # recent history kept
 
 
 def test_fit_teacher_shortens_the_span_when_nothing_else_can_go():
@@ -257,7 +261,7 @@ def test_max_hint_tokens_cuts_long_hints(tok, tmp_path):
     (tmp_path / "default.txt").write_text("word " * 100)
     s = single(tok, "8", 0.0)
     build(tok, [s], sources=["template"], template_dir=tmp_path, max_hint_tokens=10)
-    assert len(tok.encode(s.info["hint"], add_special_tokens=False)) <= 10
+    assert len(tok.encode(sdpo_target(s).hint, add_special_tokens=False)) <= 10
 
 
 def test_config_errors():
@@ -311,7 +315,7 @@ def test_llm_hint_from_an_openai_compatible_server(tok, fake_openai, monkeypatch
     s = single(tok, "8", 0.0)
     llm = {"base_url": f"{url}/v1", "model": "hinter", "api_key_env": "HINT_KEY"}
     stats = build(tok, [s], sources=["llm", "template"], llm=llm)
-    assert s.info["hint_source"] == "llm" and s.info["hint"] == "Hint: Add the two numbers: 7."
+    assert sdpo_target(s).source == "llm" and sdpo_target(s).hint == "Hint: Add the two numbers: 7."
     assert stats.num_llm_errors == 0 and stats.metrics(["llm", "template"])["sdpo/source/llm"] == 1
     (body,) = bodies
     assert body["path"] == "/v1/chat/completions" and body["model"] == "hinter"
@@ -326,7 +330,7 @@ def test_llm_failure_is_counted_and_the_next_source_is_used(tok, fake_openai):
     t = single(tok, "9", 0.0)
     llm = {"base_url": f"{url}/broken/v1", "model": "hinter", "retry": {"max_retries": 1, "backoff_s": 0}}
     stats = build(tok, [s, t], sources=["llm", "template"], llm=llm)
-    assert s.info["hint_source"] == "template" and t.info["hint_source"] == "template"
+    assert sdpo_target(s).source == "template" and sdpo_target(t).source == "template"
     assert stats.num_llm_errors == 2 and stats.metrics(["llm", "template"])["sdpo/llm_errors"] == 2
     # Nothing listening at all: still no crash.
     u = single(tok, "8", 0.0)
@@ -336,7 +340,7 @@ def test_llm_failure_is_counted_and_the_next_source_is_used(tok, fake_openai):
         sources=["llm"],
         llm={"base_url": "http://127.0.0.1:9/v1", "model": "m", "retry": {"timeout_s": 2, "max_retries": 0}},
     )
-    assert u.sdpo is None and stats.num_llm_errors == 1 and stats.skipped["no_hint"] == 1
+    assert sdpo_target(u) is None and stats.num_llm_errors == 1 and stats.skipped["no_hint"] == 1
 
 
 def test_missing_api_key_variable_is_a_config_error(tok, monkeypatch):

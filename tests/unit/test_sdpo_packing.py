@@ -11,6 +11,7 @@ import torch
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.packing import SDPOPacker
+from prime_composer.orchestrator.sdpo.target import sdpo_target, set_sdpo_target
 from prime_composer.transport.batch import BatchFormatError, MicroBatch, decode_rank_batch, encode_rank_batch
 from prime_composer.transport.groups import SDPOGroup
 
@@ -38,7 +39,7 @@ def _sample(rng: random.Random, i: int, hinted: bool, seq_len: int) -> Sample:
         span = (first + 2, first + 2 + second) if i % 2 else (0, first)
         hint = [rng.randint(200, 299) for _ in range(rng.randint(1, 5))]
         prefix = prompt + completion[: span[0]] + hint  # the hint goes right before the target turn
-        s.set_sdpo_target(span, prefix[: seq_len - (span[1] - span[0])])
+        set_sdpo_target(s, span, prefix[: seq_len - (span[1] - span[0])])
     return s
 
 
@@ -55,7 +56,7 @@ def test_teacher_rows_align_with_student_targets():
     seq_len = 24
     samples = [_sample(rng, i, hinted=i % 3 != 0, seq_len=seq_len) for i in range(14)]
     rank_batches, stats = pack(samples, seq_len, micro_batch_size=2, num_ranks=2)
-    expected_total = sum(s.sdpo.span[1] - s.sdpo.span[0] for s in samples if s.sdpo)
+    expected_total = sum(sdpo_target(s).span[1] - sdpo_target(s).span[0] for s in samples if sdpo_target(s))
     seen_hinted: set[int] = set()
     total = 0
     for mbs in rank_batches:
@@ -78,12 +79,13 @@ def test_teacher_rows_align_with_student_targets():
             hinted_here = [int(i) for i in torch.unique(mb.sample_ids[group.student_mask]).tolist()]
             seen_hinted.update(hinted_here)
             expected_seqs = sorted(
-                samples[i].sdpo.teacher_prefix_ids + samples[i].completion_ids[slice(*samples[i].sdpo.span)]
+                sdpo_target(samples[i]).teacher_prefix_ids
+                + samples[i].completion_ids[slice(*sdpo_target(samples[i]).span)]
                 for i in hinted_here
             )
             assert sorted(teacher_seqs) == expected_seqs
     assert total == expected_total
-    assert seen_hinted == {i for i, s in enumerate(samples) if s.sdpo}
+    assert seen_hinted == {i for i, s in enumerate(samples) if sdpo_target(s)}
     metrics = stats.metrics()
     assert metrics["sdpo/packed_samples"] == len(seen_hinted) and metrics["sdpo/teacher_rows"] > 0
     assert metrics["sdpo/pack_dropped"] == 0
@@ -138,7 +140,7 @@ def test_student_truncation_clips_the_span_and_a_teacher_too_long_drops_sdpo():
         group_id=0,
         policy_step=0,
     )
-    s.set_sdpo_target((0, 5), [1, 2, 50])  # a teacher context cut in the middle, say
+    set_sdpo_target(s, (0, 5), [1, 2, 50])  # a teacher context cut in the middle, say
     (mbs,), stats = pack([s], 6, micro_batch_size=1)
     (mb,) = mbs
     group = mb.group(SDPOGroup)
@@ -148,7 +150,7 @@ def test_student_truncation_clips_the_span_and_a_teacher_too_long_drops_sdpo():
     assert group.teacher_input_ids[0].tolist() == [1, 2, 50, 10, 11, 12]
     assert group.teacher_target_mask[0].tolist() == [False] * 3 + [True] * 3
     assert group.num_tokens == 3 and stats.metrics()["sdpo/pack_dropped"] == 0
-    s.set_sdpo_target((0, 3), [1, 2, 3, 50, 51, 52, 53])  # 7 + 3 > 10
+    set_sdpo_target(s, (0, 3), [1, 2, 3, 50, 51, 52, 53])  # 7 + 3 > 10
     (mbs,), stats = pack([s], 8, micro_batch_size=1)
     assert stats.metrics()["sdpo/pack_dropped"] == 1 and mbs[0].group(SDPOGroup) is None
 

@@ -23,6 +23,7 @@ from prime_composer.config.trainer import TrainerConfig
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.packing import SDPOPacker
+from prime_composer.orchestrator.sdpo.target import set_sdpo_target
 from prime_composer.orchestrator.state import OrchestratorState
 from prime_composer.trainer.model import World
 from prime_composer.trainer.policy_copy import PolicyCopy
@@ -100,7 +101,7 @@ def _micro_batches() -> list:
             policy_step=0,
             advantage=1.0 if i % 2 else -1.0,
         )
-        s.set_sdpo_target((1, len(completion)), prompt + [rng.randint(3, 400) for _ in range(3)])
+        set_sdpo_target(s, (1, len(completion)), prompt + [rng.randint(3, 400) for _ in range(3)])
         samples.append(s)
     (mbs,), _ = pack_step(samples, 32, 2, 1, pad_token_id=0, packers=[SDPOPacker()])
     return mbs

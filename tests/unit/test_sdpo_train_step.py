@@ -21,6 +21,7 @@ from prime_composer.model.resolve import resolve_model_name
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.packing import SDPOPacker
+from prime_composer.orchestrator.sdpo.target import sdpo_target, set_sdpo_target
 from prime_composer.trainer.losses.base import TermContext, build_terms
 from prime_composer.trainer.step import StepResult, train_step
 from prime_composer.transport.groups import SDPOGroup
@@ -60,7 +61,7 @@ def _samples(hinted: list[bool]) -> list[Sample]:
         if hint:
             start = rng.randint(0, len(completion) - 2)
             hint_ids = [rng.randint(3, 400) for _ in range(rng.randint(2, 6))]
-            s.set_sdpo_target((start, len(completion)), prompt + completion[:start] + hint_ids)
+            set_sdpo_target(s, (start, len(completion)), prompt + completion[:start] + hint_ids)
         out.append(s)
     return out
 
@@ -87,18 +88,20 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def _reference(path, samples: list[Sample], alpha: float) -> tuple[dict[str, torch.Tensor], float]:
     """Gradients of alpha * mean forward KL over the target tokens, and that mean KL."""
     model = _model(path)
-    num_targets = sum(s.sdpo.span[1] - s.sdpo.span[0] for s in samples if s.sdpo)
+    num_targets = sum(sdpo_target(s).span[1] - sdpo_target(s).span[0] for s in samples if sdpo_target(s))
     total = 0.0
     for s in samples:
-        if s.sdpo is None:
+        if sdpo_target(s) is None:
             continue
-        start, end = s.sdpo.span
+        start, end = sdpo_target(s).span
         target = s.completion_ids[start:end]
         student_ids = s.prompt_ids + s.completion_ids
-        teacher_ids = s.sdpo.teacher_prefix_ids + target
+        teacher_ids = sdpo_target(s).teacher_prefix_ids + target
         lo = len(s.prompt_ids) + start
         with torch.no_grad():
-            t_logits = model(torch.tensor([teacher_ids])).logits[0, len(s.sdpo.teacher_prefix_ids) - 1 : -1]
+            t_logits = model(torch.tensor([teacher_ids])).logits[
+                0, len(sdpo_target(s).teacher_prefix_ids) - 1 : -1
+            ]
         s_logits = model(torch.tensor([student_ids])).logits[0, lo - 1 : lo - 1 + len(target)]
         log_t = (t_logits / TEMPERATURE).log_softmax(-1)
         log_s = (s_logits / TEMPERATURE).log_softmax(-1)
@@ -126,7 +129,9 @@ def test_gradient_flows_only_through_the_student_with_a_live_teacher(model_path,
     assert float(loss) == pytest.approx(alpha * metrics["loss/sdpo"])
     # beta = 0: the loss term is the forward KL, so the logged KL is the same number per token.
     assert metrics["sdpo/kl_teacher_student"] == pytest.approx(metrics["loss/sdpo"], rel=1e-6)
-    assert metrics["sdpo/num_tokens"] == sum(s.sdpo.span[1] - s.sdpo.span[0] for s in samples if s.sdpo)
+    assert metrics["sdpo/num_tokens"] == sum(
+        sdpo_target(s).span[1] - sdpo_target(s).span[0] for s in samples if sdpo_target(s)
+    )
 
 
 def test_kl_metric_is_the_forward_kl_for_any_beta(model_path):

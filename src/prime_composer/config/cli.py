@@ -32,6 +32,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
 from pydantic_settings.exceptions import SettingsError
 
+from prime_composer.config.channels import plugin_section
 from prime_composer.config.errors import RUN_ERROR_EXIT_CODE, ConfigError, RunError, did_you_mean
 from prime_composer.config.help import render_help
 from prime_composer.config.introspect import list_item_model, submodel
@@ -102,14 +103,15 @@ def resolve_field(model: type[BaseModel], dotted: str, origin: str) -> Any:
     parts = dotted.split(".")
     for i, part in enumerate(parts):
         fields = current.model_fields
-        if part not in fields:
+        plugin = plugin_section(current, part)  # a registered plugin channel's section
+        if part not in fields and plugin is None:
             prefix = ".".join(parts[:i])
             candidates = [f"{prefix}.{f}" if prefix else f for f in fields]
             raise ConfigError(
                 f"{origin}: unknown key {dotted!r}{did_you_mean('.'.join(parts[: i + 1]), candidates)}; "
                 f"see --help for the valid keys"
             )
-        annotation = fields[part].annotation
+        annotation = fields[part].annotation if plugin is None else plugin
         if i == len(parts) - 1:
             return annotation
         nested = submodel(annotation)

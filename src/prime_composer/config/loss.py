@@ -9,11 +9,12 @@ same value to every loss so that trainer and inference logprobs describe the sam
 
 from __future__ import annotations
 
-from typing import Literal, Self
+from typing import ClassVar, Literal, Self, cast
 
 from pydantic import Field, model_validator
 
 from prime_composer.config.base import BaseConfig
+from prime_composer.config.channels import ChannelSections, Weighted, channels
 from prime_composer.config.dpo import DPOLossConfig
 
 
@@ -118,8 +119,11 @@ class SDPOLossConfig(BaseConfig):
         return self
 
 
-class LossConfig(BaseConfig):
-    """All loss terms of the trainer, each with its own section."""
+class LossConfig(ChannelSections):
+    """All loss terms of the trainer, each with its own section (a registered plugin channel's
+    section too: ``config/channels.py``)."""
+
+    channel_kind: ClassVar[Literal["loss", "orchestrator"]] = "loss"
 
     rl: RLLossConfig = RLLossConfig()
     """The RL (policy-gradient) term."""
@@ -130,3 +134,7 @@ class LossConfig(BaseConfig):
     replay: DPOLossConfig = DPOLossConfig()
     """The replay term: DPO on the teacher service's pairs (off while ``weight = 0``; needs
     ``orchestrator.replay.enabled``)."""
+
+    def sections(self) -> list[tuple[str, Weighted]]:
+        """Every channel's section, in registration order (the built-ins first)."""
+        return [(spec.name, cast(Weighted, self.section(spec.name))) for spec in channels()]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Self
+from typing import ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
 
 from prime_composer.config.advantage import AdvantageConfig
 from prime_composer.config.base import BaseConfig
+from prime_composer.config.channels import ChannelSections
 from prime_composer.config.common import CommonConfig
 from prime_composer.config.env import EnvConfig, RolloutConfig, SamplingConfig
 from prime_composer.config.sdpo import HintConfig
@@ -65,8 +66,11 @@ class FailureConfig(BaseConfig):
     had equal rewards, or was too stale)."""
 
 
-class OrchestratorConfig(CommonConfig):
-    """The orchestrator: samples rollouts, scores them, computes advantages, packs batches."""
+class OrchestratorConfig(CommonConfig, ChannelSections):
+    """The orchestrator: samples rollouts, scores them, computes advantages, packs batches (and a
+    registered plugin channel's ``orchestrator.<name>`` section: ``config/channels.py``)."""
+
+    channel_kind: ClassVar[Literal["loss", "orchestrator"]] = "orchestrator"
 
     base_url: str = "http://127.0.0.1:8000/v1"
     """OpenAI-compatible endpoint of the inference server (the ``rl`` launcher sets it)."""

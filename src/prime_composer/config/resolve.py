@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
+from prime_composer.config.channels import Pairing, Switched, Weighted, channels
 from prime_composer.config.cli import CliOptions, build_config, origin_of
 from prime_composer.config.errors import ConfigError
 from prime_composer.config.prime_rl import PrimeRLNames
@@ -38,12 +40,11 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
             f"or the trainer could miss a step the orchestrator already deleted"
         )
     _check_gpus(config, origins)
-    _check_sdpo(config, origins)
-    _check_replay(config, origins)
+    _check_channels(config, origins)
     _copy_diloco(config, origins)
     _copy_lora_rank(config, origins)
     inference = config.inference
-    expected = f"http://{_client_host(inference.host)}:{inference.port}/v1"
+    expected = f"http://{client_host(inference.host)}:{inference.port}/v1"
     if "base_url" in config.orchestrator.model_fields_set and config.orchestrator.base_url != expected:
         raise ConfigError(
             f"{origin_of('orchestrator.base_url', origins)}: "
@@ -102,44 +103,6 @@ def set_shared(config: RLConfig, dotted: str, value: object) -> None:
             setattr(node, leaf, value)
 
 
-def _check_replay(config: RLConfig, origins: dict[str, str]) -> None:
-    """The replay channel, like SDPO, needs both halves; the orchestrator learns where the teacher
-    service listens (it posts its rollouts there as traces)."""
-    enabled = config.orchestrator.replay.enabled
-    weight = config.trainer.loss.replay.weight
-    if enabled and weight == 0:
-        raise ConfigError(
-            f"{origin_of('orchestrator.replay.enabled', origins)}: orchestrator.replay.enabled = true but "
-            "trainer.loss.replay.weight = 0, so the pairs would never be trained on: set "
-            "trainer.loss.replay.weight > 0 (e.g. 0.05) or orchestrator.replay.enabled = false"
-        )
-    if weight > 0 and not enabled:
-        raise ConfigError(
-            f"{origin_of('trainer.loss.replay.weight', origins)}: trainer.loss.replay.weight = {weight} but "
-            "orchestrator.replay.enabled = false, so no batch would ever carry a pair: set "
-            "orchestrator.replay.enabled = true or trainer.loss.replay.weight = 0"
-        )
-    shaping = config.orchestrator.advantage.process_reward_weight
-    if shaping > 0 and config.teacher is None and config.orchestrator.replay.store is None:
-        raise ConfigError(
-            f"{origin_of('orchestrator.advantage.process_reward_weight', origins)}: "
-            f"orchestrator.advantage.process_reward_weight = {shaping} needs the teacher service's process "
-            "rewards, but the run has no [teacher] section (and no orchestrator.replay.store): add one, or "
-            "set the weight to 0"
-        )
-    teacher = config.teacher
-    if teacher is not None:
-        for i, endpoint in enumerate(teacher.pool):
-            if endpoint.local is not None and endpoint.base_url is not None:
-                raise ConfigError(
-                    f"{origin_of('teacher.pool', origins)}: teacher.pool[{i}] ({endpoint.id!r}) sets both "
-                    "base_url and local; rl serves a local teacher on a port of its own and fills in "
-                    "base_url: remove one of them"
-                )
-        config.orchestrator.replay.teacher_url = f"http://{_client_host(teacher.host)}:{teacher.port}"
-        config.orchestrator.replay.teacher_secret_env = teacher.secret_env
-
-
 def _copy_diloco(config: RLConfig, origins: dict[str, str]) -> None:
     """``[diloco]`` runs in the trainer: set at the top level (each data center's file swaps it) or
     in the trainer's section (``--trainer @ t.toml``), and then it must be the same in both. The
@@ -161,22 +124,31 @@ def _copy_diloco(config: RLConfig, origins: dict[str, str]) -> None:
         )
 
 
-def _check_sdpo(config: RLConfig, origins: dict[str, str]) -> None:
-    """SDPO needs both halves: hints from the orchestrator and a weight in the trainer. One without
-    the other would silently do nothing (or waste hint building), so it is an error."""
-    hints_on = config.orchestrator.sdpo.enabled
-    weight = config.trainer.loss.sdpo.weight
-    if hints_on and weight == 0:
+def _check_channels(config: RLConfig, origins: dict[str, str]) -> None:
+    """Every channel's checks across processes (``config/channels.py``): both halves on together,
+    then the channel's own."""
+    for spec in channels():
+        if spec.pairing is not None:
+            _check_pairing(config, origins, spec.name, spec.pairing)
+        if spec.resolve is not None:
+            spec.resolve(config, origins)
+
+
+def _check_pairing(config: RLConfig, origins: dict[str, str], name: str, pairing: Pairing) -> None:
+    """A channel's orchestrator half and its trainer weight need each other: one without the other
+    would silently do nothing (or waste the orchestrator's work), so it is an error."""
+    enabled = cast(Switched, config.orchestrator.section(name)).enabled
+    weight = cast(Weighted, config.trainer.loss.section(name)).weight
+    switch, weight_key = f"orchestrator.{name}.enabled", f"trainer.loss.{name}.weight"
+    if enabled and weight == 0:
         raise ConfigError(
-            f"{origin_of('orchestrator.sdpo.enabled', origins)}: orchestrator.sdpo.enabled = true but "
-            "trainer.loss.sdpo.weight = 0, so the hints would never be trained on: set "
-            "trainer.loss.sdpo.weight > 0 (e.g. 0.1) or orchestrator.sdpo.enabled = false"
+            f"{origin_of(switch, origins)}: {switch} = true but {weight_key} = 0, so {pairing.items} would "
+            f"never be trained on: set {weight_key} > 0 (e.g. {pairing.example_weight}) or {switch} = false"
         )
-    if weight > 0 and not hints_on:
+    if weight > 0 and not enabled:
         raise ConfigError(
-            f"{origin_of('trainer.loss.sdpo.weight', origins)}: trainer.loss.sdpo.weight = {weight} but "
-            "orchestrator.sdpo.enabled = false, so no sample would ever carry a hint: set "
-            "orchestrator.sdpo.enabled = true or trainer.loss.sdpo.weight = 0"
+            f"{origin_of(weight_key, origins)}: {weight_key} = {weight} but {switch} = false, so "
+            f"{pairing.nothing}: set {switch} = true or {weight_key} = 0"
         )
 
 
@@ -195,7 +167,8 @@ def _copy_into(config: RLConfig, source: str, target: str, origins: dict[str, st
     setattr(dst, dst_key, value)
 
 
-def _client_host(bind_host: str) -> str:
+def client_host(bind_host: str) -> str:
+    """The address a client on this machine uses for a server bound to ``bind_host``."""
     return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "") else bind_host
 
 

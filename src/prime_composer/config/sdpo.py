@@ -77,7 +77,7 @@ class HintConfig(BaseConfig):
     sources: list[HintSource] = Field(default_factory=lambda: list(DEFAULT_SOURCES))
     """Hint sources tried in this order; the first that yields a hint wins. ``sibling``: a successful
     rollout of the same group (never the sample itself); ``feedback``: environment feedback in
-    ``Sample.info["feedback"]`` (failing-test output, a tool error, a format complaint);
+    ``Sample.episode.feedback`` (failing-test output, a tool error, a format complaint);
     ``template``: ``<template_dir>/<error kind>.txt``, else ``default.txt``; ``llm``: the model in
     ``[orchestrator.sdpo.llm]`` writes it."""
 
@@ -88,7 +88,7 @@ class HintConfig(BaseConfig):
 
     metric_error_kinds: dict[str, str] = Field(default_factory=dict)
     """Per-sample environment metrics that name an error kind when they are 0, checked in order,
-    e.g. ``{is_integer = "wrong_format"}``. An explicit ``Sample.info["error_kind"]`` or a feedback
+    e.g. ``{is_integer = "wrong_format"}``. An explicit ``Sample.episode.error_kind`` or a feedback
     kind wins; the fallback kind is ``truncated`` for cut-off rollouts, else ``wrong_answer``."""
 
     sibling_format: str = "A correct answer to this task was:\n{solution}"

@@ -17,21 +17,22 @@ from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
+from prime_composer.config.channels import Column, channels
 from prime_composer.metrics import read_metrics
 
-# (label, process, metric key) shown when present; the first matching key wins.
-COLUMNS: list[tuple[str, str, tuple[str, ...]]] = [
-    ("reward", "orchestrator", ("reward/mean",)),
-    ("eval acc", "orchestrator", ("eval/accuracy",)),
-    ("loss", "trainer", ("loss/total", "loss")),
-    ("entropy", "trainer", ("entropy",)),
-    ("sdpo", "trainer", ("loss/sdpo",)),
-    ("hinted", "orchestrator", ("sdpo/hinted_fraction",)),
-    ("pairs", "orchestrator", ("replay/pairs",)),  # the replay channel: pairs in this step's batch,
-    ("spend $", "teacher", ("teacher/spent_usd",)),  # teacher dollars so far,
-    ("agree", "teacher", ("teacher/agreement_rate",)),  # teacher votes for the policy's action
-    ("tokens/s", "trainer", ("perf/tokens_per_s",)),
-]
+# Shown when present, the first matching key of each winning; every channel's columns go
+# between these (``config/channels.py``: ``ChannelSpec.columns``).
+HEAD_COLUMNS: tuple[Column, ...] = (
+    Column("reward", "orchestrator", ("reward/mean",)),
+    Column("eval acc", "orchestrator", ("eval/accuracy",)),
+    Column("loss", "trainer", ("loss/total", "loss")),
+)
+TAIL_COLUMNS: tuple[Column, ...] = (Column("tokens/s", "trainer", ("perf/tokens_per_s",)),)
+
+
+def columns() -> list[Column]:
+    """The progress line's columns: the run's own, then every registered channel's."""
+    return [*HEAD_COLUMNS, *(c for spec in channels() for c in spec.columns), *TAIL_COLUMNS]
 
 
 def _fmt(value: Any) -> str:
@@ -54,21 +55,22 @@ class Progress:
         self._last_printed_step = -1
         self._live: Live | None = None
 
-    def latest(self) -> dict[str, dict[str, Any]]:
+    def latest(self, processes: set[str]) -> dict[str, dict[str, Any]]:
         return {
             process: (records[-1] if (records := read_metrics(self.metrics_dir / f"{process}.jsonl")) else {})
-            for process in {"trainer", *(process for _, process, _ in COLUMNS)}
+            for process in {"trainer", *processes}
         }
 
     def values(self) -> tuple[int, list[tuple[str, Any]]]:
-        latest = self.latest()
+        shown_columns = columns()
+        latest = self.latest({column.process for column in shown_columns})
         step = int(latest["trainer"].get("step", 0))
         shown = []
-        for label, process, keys in COLUMNS:
-            record = latest[process]
-            for key in keys:
+        for column in shown_columns:
+            record = latest[column.process]
+            for key in column.keys:
                 if key in record:
-                    shown.append((label, record[key]))
+                    shown.append((column.label, record[key]))
                     break
         return step, shown
 

@@ -16,7 +16,7 @@ is what ``filter_zero_variance`` keys on to drop it (DAPO dynamic sampling).
 (or ``w = 0``) adds nothing, and with ``w = 0`` the numerics are exactly those without shaping.
 
 The unit is the episode: the Samples of one episode split at a history-rewriting chat template
-(same ``info["trace_id"]``) count once in the mean and std, with their first Sample's shaped
+(same ``episode.trace_id``) count once in the mean and std, with their first Sample's shaped
 reward, and all get that episode's advantage.
 
 Usage::
@@ -97,7 +97,7 @@ def compute_advantages(
 
     groups: dict[int, dict[object, list[int]]] = {}
     for i, s in enumerate(samples):
-        episode = s.info.get("trace_id", ("sample", i))
+        episode = s.episode.trace_id if s.episode.trace_id is not None else ("sample", i)
         groups.setdefault(s.group_id, {}).setdefault(episode, []).append(i)
     advantages = [0.0] * len(samples)
     for episodes in groups.values():

@@ -35,6 +35,7 @@ from prime_composer.orchestrator import agent_harness
 from prime_composer.orchestrator import harness as chat_harness
 from prime_composer.orchestrator.agent_task import AgentTaskData, is_agent_taskset
 from prime_composer.orchestrator.env_ids import DEFAULT_ENV_DIRS, local_environments, module_name
+from prime_composer.orchestrator.task_prompt import task_messages
 
 Split = Literal["train", "eval"]
 
@@ -89,20 +90,6 @@ class LoadedEnv:
         if self.config.num_eval_examples is not None:
             taskset = taskset.take(self.config.num_eval_examples)
         return list(taskset)
-
-
-def task_messages(data: vf.TaskData) -> list[dict[str, Any]]:
-    """A task's prompt as chat-template messages (system prompt first), as the harness sends it."""
-    from verifiers.v1.dialects.chat import message_to_wire
-
-    messages: list[dict[str, Any]] = []
-    if data.system_prompt:
-        messages.append({"role": "system", "content": data.system_prompt})
-    if isinstance(data.prompt, str):
-        messages.append({"role": "user", "content": data.prompt})
-    else:
-        messages.extend(message_to_wire(m) for m in data.prompt or [])
-    return messages
 
 
 def sft_records(loaded: LoadedEnv, split: Split = "train") -> list[dict[str, Any]]:

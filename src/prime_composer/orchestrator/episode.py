@@ -129,7 +129,7 @@ class AgentTurn:
 
 @dataclass(frozen=True)
 class TurnInfo:
-    """One assistant turn of a Sample (``Sample.info["turns"]``): where its tokens are and what it
+    """One assistant turn of a Sample (``Sample.episode.turns``): where its tokens are and what it
     did. Its tokens are ``completion_ids[span[0]:span[1]]`` and its logprobs the same slice of
     ``completion_logprobs``; SDPO targets a turn by its span, the trace export rebuilds the
     episode's steps from these records."""
@@ -138,7 +138,7 @@ class TurnInfo:
     """Turn number in the episode (0-based); a sample of a split episode starts past 0."""
     span: tuple[int, int]
     message_index: int | None
-    """Its assistant message in ``Sample.info["messages"]`` (None when the trace has no messages)."""
+    """Its assistant message in ``Sample.episode.messages`` (None when the trace has no messages)."""
     finish_reason: str | None
     tool_calls: list[ToolCall] = field(default_factory=list)
     malformed: list[str] = field(default_factory=list)

@@ -9,13 +9,15 @@ for step s+1 run while step s's slowest ones finish. For step ``s`` the loop
 3. **takes** step s's groups from the stream, in draw order: failed rollouts are counted and left
    out, advantages are per group, groups that cannot be trained on (dynamic sampling, too stale)
    are replaced;
-4. **adds** SDPO hints (``orchestrator.sdpo.enabled``: failed rollouts get a hinted teacher context,
-   ``sdpo/hints.py``) and items from the batch sources (``BatchSource``: e.g. replay pairs);
-5. **packs and sends** micro-batches for every trainer rank (group packers build each term's
-   tensors);
+4. **hands** the step to every enabled channel (``channel.py``): each sees the generated rollouts,
+   may annotate the kept samples (SDPO's hinted teacher contexts) and bring items of its own
+   (replay's pairs);
+5. **packs and sends** micro-batches for every trainer rank (the channels' group packers build
+   their terms' tensors);
 6. **logs** ``metrics/orchestrator.jsonl``.
 
-It never imports trainer or model code: it talks to the server over HTTP and to the trainer
+The loop names no channel: they are built from the registry (``channels/``, ``main.py``) and
+passed in. It never imports trainer or model code: it talks to the server over HTTP and to the trainer
 through ``transport``.
 """
 
@@ -27,44 +29,23 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from statistics import fmean, pstdev
-from typing import Any, Protocol
+from typing import Any
 
 from prime_composer.checkpoint_layout import resume_step
-from prime_composer.client.http import read_api_key
 from prime_composer.config.env import SamplingConfig
 from prime_composer.config.orchestrator import OrchestratorConfig
 from prime_composer.metrics import MetricsLogger
+from prime_composer.orchestrator.channel import OrchestratorChannel
 from prime_composer.orchestrator.envs import LoadedEnv
 from prime_composer.orchestrator.packing import GroupPacker, pack_step
 from prime_composer.orchestrator.policy import PolicySync
-from prime_composer.orchestrator.replay.shaping import ProcessRewards
-from prime_composer.orchestrator.replay.traces import TraceSender
 from prime_composer.orchestrator.rollout import API_KEY_VAR, RolloutRunner
 from prime_composer.orchestrator.sample import Sample
-from prime_composer.orchestrator.sdpo.hints import HintBuilder
-from prime_composer.orchestrator.sdpo.packing import SDPOPacker
 from prime_composer.orchestrator.state import OrchestratorState, choose_env, task_index
 from prime_composer.orchestrator.stream import FailureWatch, RolloutStream, RunGroup, StepRollouts
 from prime_composer.transport.factory import BatchSender, make_sender
 
 logger = logging.getLogger(__name__)
-
-
-class BatchSource(Protocol):
-    """A second stream of training data mixed into every batch beside the rollouts (the replay
-    pairs of the teacher service, say). ``take`` is called once per step with the step number and
-    returns that step's items, which the group packer of the same ``name`` packs; its position is
-    part of the orchestrator's checkpoint."""
-
-    name: str
-
-    async def take(self, step: int) -> list[Any]: ...
-
-    def metrics(self) -> dict[str, float]: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class Orchestrator:
@@ -73,31 +54,26 @@ class Orchestrator:
         config: OrchestratorConfig,
         envs: list[LoadedEnv],
         pad_token_id: int,
-        hints: HintBuilder | None = None,
-        sources: Sequence[BatchSource] = (),
-        packers: Sequence[GroupPacker] = (),
+        channels: Sequence[OrchestratorChannel] = (),
     ) -> None:
-        """``hints`` builds SDPO targets each step (``orchestrator.sdpo.enabled``); None = off.
-        ``sources`` add items to every batch, packed by the ``packers`` of the same name."""
+        """``channels``: the enabled channels' orchestrator parts, in registration order
+        (``main.py`` builds them from the registry)."""
         self.config = config
         self.envs = envs
         self.pad_token_id = pad_token_id
-        if config.sdpo.enabled and hints is None:
-            raise ValueError("orchestrator.sdpo.enabled needs a HintBuilder (orchestrator/main.py makes one)")
-        self.hints = hints
-        self.sources = list(sources)
-        self.packers: list[GroupPacker] = [*([SDPOPacker()] if hints is not None else []), *packers]
-        missing = {src.name for src in self.sources} - {p.name for p in self.packers}
-        if missing:
-            raise ValueError(f"batch sources {sorted(missing)} have no group packer to pack their items")
+        self.channels = list(channels)
+        names = [c.name for c in self.channels]
+        if len(set(names)) != len(names):
+            raise ValueError(f"orchestrator channels {names}: a channel is given twice")
+        self.packers: list[GroupPacker] = [c.packer for c in self.channels if c.packer is not None]
+        if any(p.name != c.name for c in self.channels if (p := c.packer) is not None):
+            raise ValueError("a channel's packer must build the group of the channel's name")
         self.num_groups = config.batch_size // config.group_size
         self.ckpt_root = config.output_dir / "checkpoints"
         self.state = OrchestratorState(env_draws=[0] * len(envs))
         """The draw position (ahead of the consumed one while groups are in flight)."""
         self._drawn: dict[int, tuple[LoadedEnv, int]] = {}
         self.failure_watch = FailureWatch(config.failure)
-        self.traces: TraceSender | None = None
-        self.shaping: ProcessRewards | None = None
         self.train_tasks = [loaded.tasks("train") for loaded in envs]
         for loaded, tasks in zip(envs, self.train_tasks, strict=True):
             if not tasks:
@@ -111,8 +87,8 @@ class Orchestrator:
         if config.ckpt.resume or config.ckpt.resume_step is not None:
             step = resume_step(self.ckpt_root, config.ckpt.resume_step, config.ckpt.parts)
             self.state = OrchestratorState.load(self.ckpt_root, step)
-            for source in self.sources:
-                source.load_state_dict(self.state.sources.get(source.name, {}))
+            for channel in self.channels:
+                channel.load_state_dict(self.state.sources.get(channel.name, {}))
             logger.info("resumed at step %d (%d groups drawn)", step, self.state.groups_drawn)
         policy = PolicySync(
             config.output_dir / "broadcasts",
@@ -122,23 +98,13 @@ class Orchestrator:
             timeout_s=config.weights_timeout_s,
         )
         sender = make_sender(config.transport, config.output_dir)
-        replay = config.replay
-        self.traces = (
-            TraceSender(
-                replay.teacher_url,
-                read_api_key(replay.teacher_secret_env, "orchestrator.replay.teacher_secret_env"),
-            )
-            if replay.send_traces and replay.teacher_url is not None
-            else None
-        )
-        shaping = (
-            ProcessRewards(replay.store or config.output_dir / "teacher" / "teacher.sqlite")
-            if config.advantage.process_reward_weight > 0
-            else None
-        )
-        self.shaping = shaping
         eval_sampling = config.sampling.model_copy(update={"temperature": config.eval.temperature})
         try:
+            for channel in self.channels:
+                await channel.open()  # closed in ``finally``, opened or not
+            shaping = [c.process_rewards for c in self.channels if c.process_rewards is not None]
+            if len(shaping) > 1:
+                raise ValueError("more than one channel shapes the rewards (process_rewards)")
             async with (
                 RolloutRunner(
                     self.envs,
@@ -155,7 +121,7 @@ class Orchestrator:
                     self._draw_group,
                     self._group_runner(runner),
                     policy,
-                    process_rewards=shaping.lookup if shaping is not None else None,
+                    process_rewards=shaping[0] if shaping else None,
                 ) as stream,
             ):
                 while stream.step < config.max_steps:
@@ -170,10 +136,8 @@ class Orchestrator:
         finally:
             sender.close()
             await policy.aclose()
-            if self.traces is not None:
-                await self.traces.aclose()
-            if shaping is not None:
-                shaping.close()
+            for channel in self.channels:
+                await channel.aclose()
 
     async def _step(
         self,
@@ -195,20 +159,15 @@ class Orchestrator:
         rollouts = await stream.next_step()
         metrics["time/rollout_s"] = time.monotonic() - t0
         self.failure_watch.check(step, rollouts)
-        if self.traces is not None:  # the teacher service replays the run's own rollouts
-            self.traces.send(rollouts.generated)
-            metrics.update(self.traces.metrics())
-        if self.shaping is not None:
-            metrics.update(self.shaping.metrics())
+        for channel in self.channels:
+            metrics.update(channel.observe(rollouts.generated))
         metrics["time/wait_weights_s"], stream.wait_weights_s = stream.wait_weights_s, 0.0
-        if self.hints is not None:
-            t0 = time.monotonic()
-            hint_stats = await self.hints.apply(rollouts.kept)
-            metrics.update(hint_stats.metrics(config.sdpo.sources))
-            metrics["time/hints_s"] = time.monotonic() - t0
-        extras = {source.name: await source.take(step) for source in self.sources}
-        for source in self.sources:
-            metrics.update(source.metrics())
+        extras: dict[str, list[Any]] = {}
+        for channel in self.channels:
+            items = await channel.take(step, rollouts.kept)
+            if items or channel.packer is not None:
+                extras[channel.name] = items
+            metrics.update(channel.metrics())
         rank_batches, stats = pack_step(
             rollouts.kept,
             config.seq_len,
@@ -233,7 +192,7 @@ class Orchestrator:
 
     def _save(self, stream: RolloutStream) -> None:
         state = stream.checkpoint_state()
-        state.sources = {source.name: source.state_dict() for source in self.sources}
+        state.sources = {c.name: part for c in self.channels if (part := c.state_dict())}
         state.save(self.ckpt_root, self.config.ckpt.keep)
 
     def _resumed_at(self, step: int) -> bool:
@@ -338,7 +297,7 @@ class Orchestrator:
         by_env: dict[str, list[float]] = defaultdict(list)
         extra: dict[str, list[float]] = defaultdict(list)
         for s in generated:
-            by_env[s.info.get("env", "env")].append(s.reward)
+            by_env[s.episode.env].append(s.reward)
             for key, value in s.metrics.items():
                 extra[key].append(value)
         if len(by_env) > 1:

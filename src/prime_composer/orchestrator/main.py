@@ -19,6 +19,7 @@ from prime_composer.logs import setup_logging
 def run(config: OrchestratorConfig) -> int:
     setup_logging("orchestrator")
     from prime_composer.model.resolve import load_tokenizer
+    from prime_composer.orchestrator.channel import ChannelContext, build_channels
     from prime_composer.orchestrator.envs import load_envs
     from prime_composer.orchestrator.loop import Orchestrator
 
@@ -30,29 +31,11 @@ def run(config: OrchestratorConfig) -> int:
         envs = load_envs(config.env, config.rollout)
     except ValueError as e:  # names the offending orchestrator.env entry
         raise ConfigError(str(e)) from None
-    hints = None
-    if config.sdpo.enabled:
-        from prime_composer.orchestrator.sdpo.hints import HintBuilder
-
-        try:
-            hints = HintBuilder(
-                config.sdpo,
-                tokenizer,
-                config.seq_len,
-                chat_template_kwargs=config.sampling.extra_body.get("chat_template_kwargs"),
-            )
-        except ValueError as e:  # names the orchestrator.sdpo key to fix
-            raise ConfigError(str(e)) from None
-    sources, packers = [], []
-    if config.replay.enabled:
-        from prime_composer.orchestrator.replay.packing import DPOPacker
-        from prime_composer.orchestrator.replay.source import PairSource
-
-        sources.append(PairSource(config.replay, config.output_dir))
-        packers.append(DPOPacker())
-    orchestrator = Orchestrator(
-        config, envs, pad_token_id=pad_id, hints=hints, sources=sources, packers=packers
-    )
+    try:
+        parts = build_channels(config, ChannelContext(tokenizer=tokenizer))
+    except ValueError as e:  # names the orchestrator.<channel> key to fix
+        raise ConfigError(str(e)) from None
+    orchestrator = Orchestrator(config, envs, pad_token_id=pad_id, channels=parts)
     asyncio.run(orchestrator.run())
     return 0
 

@@ -14,9 +14,10 @@ the first prompt, the policy's tokens with mask 1 and their logprobs, the tokens
 (tool results, user turns, template markup) with mask 0 and logprob 0. A turn whose prompt does
 not extend them (a chat template that rewrites history) starts a new Sample; all Samples of an
 episode carry its reward, so they share the group's advantage. Each Sample keeps one
-``TurnInfo`` per assistant turn on ``info["turns"]`` (token span, tool calls and results, exit
-codes, timing), the conversation on ``info["messages"]`` and, for agent episodes, where the error
-is (``info["error_turn"]``, ``info["feedback"]``: ``episode.localize_error`` unless the
+``TurnInfo`` per assistant turn on ``episode.turns`` (token span, tool calls and results, exit
+codes, timing), the conversation on ``episode.messages`` (``Sample.episode``, an
+``EpisodeRecord``) and, for agent episodes, where the error is (``episode.error_turn``,
+``episode.feedback``: ``episode.localize_error`` unless the
 environment said so itself), which SDPO's hint targeting reads.
 
 A bad rollout is data, not a crash: a server error, missing token ids or logprobs, or an
@@ -31,7 +32,7 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import verifiers.v1 as vf
@@ -45,6 +46,7 @@ from prime_composer.orchestrator.envs import LoadedEnv
 from prime_composer.orchestrator.episode import BUDGET_STOPS, AgentEpisode, TurnInfo, localize_error
 from prime_composer.orchestrator.generate import close_clients
 from prime_composer.orchestrator.harness import TURNS_KEY, TurnRecord
+from prime_composer.orchestrator.record import EpisodeRecord
 from prime_composer.orchestrator.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -195,12 +197,12 @@ def trace_samples(
     episode_error: str | None = None,
 ) -> list[Sample]:
     """The Samples of one trace (one per merged segment of its turns), or one error Sample."""
-    info = _trace_info(trace, env_label)
+    record = episode_record(trace, env_label)
     error = episode_error or (None if trace.ok else _describe(trace.errors) or "rollout failed")
     agent: AgentEpisode | None = trace.info.get(AGENT_KEY)
     if agent is not None:
-        info["messages"] = agent.messages
-        return _agent_samples(trace, agent, info, keys, error)
+        record.messages = agent.messages
+        return _agent_samples(trace, agent, record, keys, error)
     records: list[TurnRecord] = trace.info.get(TURNS_KEY, [])
     if error is None and not records:
         error = f"the rollout made no model call (stop: {trace.stop_condition})"
@@ -212,8 +214,8 @@ def trace_samples(
             error = str(e)
     if error is not None:
         prompt = (records[0]["prompt_token_ids"] if records else None) or []
-        return [_error_sample(error, env_label, keys, prompt_ids=list(prompt), info=info)]
-    assistant_at = [i for i, m in enumerate(info["messages"]) if m.get("role") == "assistant"]
+        return [_error_sample(error, env_label, keys, prompt_ids=list(prompt), episode=record)]
+    assistant_at = [i for i, m in enumerate(record.messages) if m.get("role") == "assistant"]
     truncated = records[-1]["finish_reason"] == "length" or trace.is_truncated
     samples = []
     for segment in segments:
@@ -227,7 +229,9 @@ def trace_samples(
             for k, span in zip(segment.turns, segment.spans, strict=True)
         ]
         samples.append(
-            _sample(segment, trace.reward, truncated, _trace_metrics(trace), {**info, "turns": turns}, keys)
+            _sample(
+                segment, trace.reward, truncated, _trace_metrics(trace), replace(record, turns=turns), keys
+            )
         )
     return samples
 
@@ -322,22 +326,27 @@ def assemble_tokens(turns: Sequence[TurnRecord]) -> list[Segment]:
 
 
 def _agent_samples(
-    trace: vf.Trace, episode: AgentEpisode, info: dict[str, Any], keys: GroupKeys, error: str | None
+    trace: vf.Trace, episode: AgentEpisode, record: EpisodeRecord, keys: GroupKeys, error: str | None
 ) -> list[Sample]:
-    env_label = info["env"]
+    env_label = record.env
     if error is None and not episode.turns:
         error = f"the episode made no model call (stop: {episode.stop or trace.stop_condition})"
     if error is not None:
         prompt = episode.turns[0].prompt_ids if episode.turns else []
-        return [_error_sample(error, env_label, keys, prompt_ids=list(prompt), info=info)]
-    info["tools"] = episode.tools
-    info["render_tools"] = episode.rendered_tools
-    info["tool_call_format"] = episode.tool_call_format
-    info["stop"] = episode.stop or trace.stop_condition or "timeout"
-    metrics = {**_trace_metrics(trace), **_agent_metrics(episode)}
-    truncated = (
-        info["stop"] in BUDGET_STOPS or episode.turns[-1].finish_reason == "length" or trace.is_timeout
+        return [_error_sample(error, env_label, keys, prompt_ids=list(prompt), episode=record)]
+    # The environment's error keys are replaced by each segment's own (``_error_targets``).
+    record = replace(
+        record,
+        tools=episode.tools,
+        render_tools=episode.rendered_tools,
+        tool_call_format=episode.tool_call_format,
+        stop=episode.stop or trace.stop_condition or "timeout",
+        feedback=None,
+        error_turn=None,
+        error_kind=None,
     )
+    metrics = {**_trace_metrics(trace), **_agent_metrics(episode)}
+    truncated = record.stop in BUDGET_STOPS or episode.turns[-1].finish_reason == "length" or trace.is_timeout
     segments = assemble_segments(episode.turns)
     targets = _error_targets(trace, episode, segments)
     samples = []
@@ -345,9 +354,10 @@ def _agent_samples(
         turns = [
             TurnInfo.of(episode.turns[k], span) for k, span in zip(segment.turns, segment.spans, strict=True)
         ]
-        sample_info = {k: v for k, v in info.items() if k not in ENV_INFO_KEYS}
-        sample_info.update(targets[number], turns=turns, segment=number, num_segments=len(segments))
-        samples.append(_sample(segment, trace.reward, truncated, metrics, sample_info, keys))
+        seg_record = replace(
+            record, **targets[number], turns=turns, segment=number, num_segments=len(segments)
+        )
+        samples.append(_sample(segment, trace.reward, truncated, metrics, seg_record, keys))
     return samples
 
 
@@ -424,7 +434,7 @@ def _sample(
     reward: float,
     truncated: bool,
     metrics: dict[str, float],
-    info: dict[str, Any],
+    episode: EpisodeRecord,
     keys: GroupKeys,
 ) -> Sample:
     return Sample(
@@ -435,7 +445,7 @@ def _sample(
         reward=reward,
         is_truncated=truncated,
         metrics=dict(metrics),
-        info=info,
+        episode=episode,
         example_id=keys.example_id,
         group_id=keys.group_id,
         policy_step=keys.policy_step,
@@ -451,22 +461,24 @@ def _trace_metrics(trace: vf.Trace) -> dict[str, float]:
 
 ENV_INFO_KEYS = ("feedback", "error_turn", "error_kind")
 """Keys an environment may set on ``trace.info`` for SDPO's hint sources (see
-``orchestrator/sdpo/sources.py``); they are copied to ``Sample.info`` as they are."""
+``orchestrator/sdpo/sources.py``); they are copied to the ``EpisodeRecord`` as they are."""
 
 
-def _trace_info(trace: vf.Trace, env_label: str) -> dict[str, Any]:
+def episode_record(trace: vf.Trace, env_label: str) -> EpisodeRecord:
+    """The typed record of a verifiers trace (the agent fields are added by ``_agent_samples``)."""
     data = trace.task.data
-    from_env = {key: trace.info[key] for key in ENV_INFO_KEYS if key in trace.info}
-    return {
-        **from_env,
-        "env": env_label,
-        "trace_id": trace.id,
-        "task_idx": data.idx,
-        "task_id": data.id,
-        "task": data.model_dump(mode="json", exclude_defaults=True),
-        "messages": [message_to_wire(m) for m in trace.messages],
-        "stop_condition": trace.stop_condition,
-    }
+    return EpisodeRecord(
+        env=env_label,
+        trace_id=trace.id,
+        task_idx=data.idx,
+        task_id=data.id,
+        task=data.model_dump(mode="json", exclude_defaults=True),
+        messages=[message_to_wire(m) for m in trace.messages],
+        stop_condition=trace.stop_condition,
+        feedback=trace.info.get("feedback"),
+        error_turn=trace.info.get("error_turn"),
+        error_kind=trace.info.get("error_kind"),
+    )
 
 
 def _describe(errors: Sequence[vf.Error]) -> str | None:
@@ -482,7 +494,7 @@ def _error_sample(
     keys: GroupKeys,
     *,
     prompt_ids: list[int] | None = None,
-    info: dict[str, Any] | None = None,
+    episode: EpisodeRecord | None = None,
 ) -> Sample:
     logger.warning("rollout failed (env %s, group %d): %s", env_label, keys.group_id, error)
     return Sample(
@@ -495,5 +507,5 @@ def _error_sample(
         group_id=keys.group_id,
         policy_step=keys.policy_step,
         error=error,
-        info=info or {"env": env_label},
+        episode=episode or EpisodeRecord(env=env_label),
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from prime_composer.orchestrator.record import EpisodeRecord
+
 
 @dataclass
 class Sample:
@@ -35,10 +37,12 @@ class Sample:
     """Set when the rollout failed (bad model output, env error): recorded as data, reward 0."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Per-sample environment metrics (e.g. individual reward functions), averaged into logs."""
-    info: dict[str, Any] = field(default_factory=dict)
-    """Free-form extras (e.g. messages, env feedback) used by later stages such as SDPO hints."""
-    sdpo: SDPOTarget | None = None
-    """SDPO target of a hinted sample (set by ``orchestrator/sdpo/hints.py``); None without a hint."""
+    episode: EpisodeRecord = field(default_factory=EpisodeRecord)
+    """The episode it came from: conversation, task, per-turn records, where the error is
+    (``record.py``), typed from the rollout to the teacher service."""
+    channels: dict[str, Any] = field(default_factory=dict)
+    """What channels attach to the sample by channel name (``orchestrator/channel.py``), e.g. the
+    SDPO target of a hinted sample (``orchestrator/sdpo/target.py``); read by their packers."""
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -47,30 +51,3 @@ class Sample:
                 f"Sample: completion_ids ({n}), completion_logprobs ({len(self.completion_logprobs)}) "
                 f"and completion_mask ({len(self.completion_mask)}) must have the same length"
             )
-        if self.sdpo is not None:
-            self.set_sdpo_target(self.sdpo.span, self.sdpo.teacher_prefix_ids)
-
-    def set_sdpo_target(self, span: tuple[int, int], teacher_prefix_ids: list[int]) -> None:
-        """Mark ``completion_ids[start:end]`` as the SDPO target scored after ``teacher_prefix_ids``."""
-        start, end = span
-        n = len(self.completion_ids)
-        if not 0 <= start < end <= n:
-            raise ValueError(
-                f"Sample: sdpo span {span} is not a non-empty range of the {n} completion tokens"
-            )
-        if not all(self.completion_mask[start:end]):
-            raise ValueError(f"Sample: sdpo span {span} covers tokens the policy did not generate (mask 0)")
-        if not teacher_prefix_ids:
-            raise ValueError("Sample: the SDPO teacher prefix is empty")
-        self.sdpo = SDPOTarget(span=(start, end), teacher_prefix_ids=list(teacher_prefix_ids))
-
-
-@dataclass(frozen=True)
-class SDPOTarget:
-    """What SDPO distills on one sample: the student's target-turn tokens and the teacher's context."""
-
-    span: tuple[int, int]
-    """``(start, end)`` indices into ``completion_ids`` of the hinted turn (policy tokens only)."""
-    teacher_prefix_ids: list[int]
-    """The tokens before the target turn with the hint inserted, rendered with the same chat template,
-    so the teacher scores ``teacher_prefix_ids + completion_ids[start:end]``."""

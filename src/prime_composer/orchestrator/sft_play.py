@@ -21,8 +21,8 @@ from typing import Any
 
 from prime_composer.config.env import AgentLoopConfig
 from prime_composer.orchestrator.agent_task import AgentTaskData, close_sandboxes, shared_sandbox, source_dir
-from prime_composer.orchestrator.envs import task_messages
 from prime_composer.orchestrator.episode import respond
+from prime_composer.orchestrator.task_prompt import task_messages
 from prime_composer.sandbox import Sandbox, Toolset
 from prime_composer.tool_calls import get_parser
 

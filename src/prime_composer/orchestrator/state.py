@@ -33,7 +33,7 @@ class OrchestratorState:
     env_draws: list[int] = field(default_factory=list)
     """Tasks drawn so far from each environment."""
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The position of each batch source (``BatchSource.state_dict``), by name."""
+    """Each channel's checkpoint state (``OrchestratorChannel.state_dict``, non-empty ones), by name."""
 
     def save(self, ckpt_root: Path, keep: int) -> None:
         """Write ``step_<N>/orchestrator/state.json`` and its manifest, then the part's ``STABLE``

@@ -21,9 +21,8 @@ import logging
 from pathlib import Path
 
 from prime_composer.config.teacher import TraceSourceConfig
-from prime_composer.orchestrator.replay.traces import sample_to_trace
 from prime_composer.orchestrator.sample import Sample
-from prime_composer.orchestrator.trace_export import episode_trace
+from prime_composer.orchestrator.trace_export import episode_key, episode_trace, sample_to_trace
 from prime_composer.teacher.actions import turn_action
 from prime_composer.teacher.pairs import PairStore
 from prime_composer.teacher.traces import TraceError, parse_trace
@@ -48,18 +47,17 @@ class ProcessRewards:
 
     def lookup(self, samples: list[Sample]) -> list[float | None]:
         """Per sample (same order): the mean process reward of its labeled steps, or None. The
-        Samples of one agent episode (same ``info["trace_id"]`` with per-turn records) get the
+        Samples of one episode (same ``episode.trace_id`` with per-turn records) get the
         episode's value."""
         episodes: dict[str, list[Sample]] = {}
         for sample in samples:
-            if "turns" in sample.info and sample.info.get("trace_id") is not None:
-                episodes.setdefault(str(sample.info["trace_id"]), []).append(sample)
-        by_episode = {tid: self._reward(episode_trace(group)) for tid, group in episodes.items()}
+            if (key := episode_key(sample)) is not None:
+                episodes.setdefault(key, []).append(sample)
+        by_episode = {key: self._reward(episode_trace(group)) for key, group in episodes.items()}
         out: list[float | None] = []
         for sample in samples:
-            tid = sample.info.get("trace_id")
-            if "turns" in sample.info and tid is not None:
-                out.append(by_episode[str(tid)])
+            if (key := episode_key(sample)) is not None:
+                out.append(by_episode[key])
             else:
                 record = sample_to_trace(sample)
                 out.append(self._reward(record) if record is not None else None)

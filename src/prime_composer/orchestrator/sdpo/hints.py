@@ -4,24 +4,24 @@ For each step's kept samples (``HintBuilder.apply``):
 
 1. **candidates**: no error, reward below ``reward_threshold``; lowest reward first; at most
    ``max_hinted_fraction`` of the step's samples end up hinted.
-2. **target turn**: ``info["error_turn"]``, else the turn the environment's feedback is about, else
+2. **target turn**: ``episode.error_turn``, else the turn the environment's feedback is about, else
    the last assistant turn (a single-turn rollout: the whole completion). The target span is that
    turn's policy tokens in ``completion_ids``; tool and environment tokens are never in it. For
    multi-turn episodes the rollout stage has already located the error turn (a tool error, a
    non-zero exit, the change a failing test run blames: ``episode.localize_error``) and written
-   it with its feedback; turns and their spans come from ``info["turns"]``.
+   it with its feedback; turns and their spans come from ``episode.turns``.
 3. **hint**: the configured sources in order (``sources``): sibling success (for a multi-turn
    target, the sibling's reply at the same step of its episode), environment feedback, template,
    LLM. The text is wrapped by ``hint_format`` and cut to ``max_hint_tokens``.
 4. **teacher context**: the messages before the target turn with the hint inserted, rendered with
-   the same chat template (and the same tool definitions, ``info["tools"]``) after checking that
+   the same chat template (and the same tool definitions, ``episode.tools``) after checking that
    the same messages without the hint render to the text of the student's tokens. The teacher
    keeps the student's own tokens up to where the texts differ and encodes only the rest
    (``chat_render.splice_prompt``): a token-in rollout's history is token-exact, not a re-encoding.
    Cut in the middle to fit ``seq_len`` with the target span.
 
-The result is written on the sample: ``Sample.set_sdpo_target(span, teacher_prefix_ids)`` (``Sample.sdpo``) and
-``info["hint_source"]``, ``info["hint"]``. Packing then puts the student span in ``sdpo_mask`` and
+The result is written on the sample: ``set_sdpo_target(sample, span, teacher_prefix_ids)`` (``Sample.channels["sdpo"]``, ``target.py``) and
+(the target also records the hint, its source and template). Packing then puts the student span in ``sdpo_mask`` and
 ``teacher_prefix_ids + completion_ids[start:end]`` in the micro-batch's teacher rows.
 
 Samples that cannot be hinted are counted by reason in the step metrics
@@ -53,6 +53,7 @@ from prime_composer.orchestrator.sdpo.sources import (
     sibling_hint,
     strip_thinking,
 )
+from prime_composer.orchestrator.sdpo.target import clear_sdpo_target, set_sdpo_target
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +130,7 @@ class HintBuilder:
         """Set SDPO targets on ``samples`` in place (any earlier targets are cleared)."""
         stats = HintStats(num_samples=len(samples))
         for s in samples:
-            s.sdpo = None
-            for key in ("hint_source", "hint", "hint_template"):
-                s.info.pop(key, None)
+            clear_sdpo_target(s)
         groups: dict[int, list[Sample]] = defaultdict(list)
         for s in samples:
             groups[s.group_id].append(s)
@@ -156,11 +155,14 @@ class HintBuilder:
                 if isinstance(result, str):
                     stats.skipped[result] += 1
                     continue
-                sample.set_sdpo_target(result.span, result.teacher_prefix)
-                sample.info["hint_source"] = result.source
-                sample.info["hint"] = result.hint
-                if result.detail is not None:
-                    sample.info["hint_template"] = result.detail
+                set_sdpo_target(
+                    sample,
+                    result.span,
+                    result.teacher_prefix,
+                    source=result.source,
+                    hint=result.hint,
+                    template=result.detail,
+                )
                 stats.num_hinted += 1
                 stats.sources[result.source] += 1
                 stats.num_teacher_truncated += int(result.truncated)
@@ -200,10 +202,10 @@ class HintBuilder:
         turns = _spans(sample)
         if not turns:
             return "no_policy_tokens"
-        messages = render.text_messages(sample.info.get("messages") or [])
+        messages = render.text_messages(sample.episode.messages)
         if not messages:
             return "no_messages"
-        feedback = parse_feedback(sample.info.get("feedback"))
+        feedback = parse_feedback(sample.episode.feedback)
         if feedback is None:
             return "bad_feedback"
         turn = self._target_turn(sample, feedback, len(turns))
@@ -217,7 +219,7 @@ class HintBuilder:
         context = _turn_context(sample, messages, turn)
         if context is None:
             return "messages_mismatch"
-        tools = sample.info.get("tools") if sample.info.get("render_tools") else None
+        tools = sample.episode.tools if sample.episode.render_tools else None
         student_context = sample.prompt_ids + sample.completion_ids[:start]
         student_text = self.renderer.text(context, tools)
         if self.renderer.decode(student_context) != student_text:
@@ -259,7 +261,7 @@ class HintBuilder:
         )
 
     def _target_turn(self, sample: Sample, feedback: list, num_turns: int) -> int | None:
-        explicit = sample.info.get("error_turn")
+        explicit = sample.episode.error_turn
         if explicit is None:
             located = [f.turn for f in feedback if f.turn is not None]
             explicit = located[0] if located else -1
@@ -303,7 +305,7 @@ class HintBuilder:
 
 def _spans(sample: Sample) -> list[tuple[int, int]]:
     """Token spans of the sample's assistant turns: its turn records, else the runs of mask 1."""
-    turns = sample.info.get("turns")
+    turns = sample.episode.turns
     if turns:
         return [tuple(t.span) for t in turns]  # type: ignore[misc]
     return render.assistant_turns(sample.completion_mask)
@@ -311,7 +313,7 @@ def _spans(sample: Sample) -> list[tuple[int, int]]:
 
 def _steps(sample: Sample) -> list[int]:
     """Each assistant turn's step in its episode (a split episode's later samples start past 0)."""
-    turns = sample.info.get("turns")
+    turns = sample.episode.turns
     return (
         [t.index for t in turns]
         if turns
@@ -321,9 +323,9 @@ def _steps(sample: Sample) -> list[int]:
 
 def _turn_context(sample: Sample, messages: list[dict[str, Any]], turn: int) -> list[dict[str, Any]] | None:
     """The messages before the sample's ``turn``-th assistant turn."""
-    turns = sample.info.get("turns")
-    if turns and turns[turn].message_index is not None:
-        index = turns[turn].message_index
+    turns = sample.episode.turns
+    index = turns[turn].message_index if turns else None
+    if index is not None:
         if index > len(messages) or (index < len(messages) and messages[index].get("role") != "assistant"):
             return None
         return list(messages[:index])

@@ -1,6 +1,6 @@
 """The ``sdpo`` batch group: teacher rows packed beside their students (``transport.groups.SDPOGroup``).
 
-A hinted sample (``Sample.sdpo``) marks its target tokens in the group's ``student_mask``, clipped
+A hinted sample (``Sample.channels["sdpo"]``, ``target.py``) marks its target tokens in the group's ``student_mask``, clipped
 to what its row kept after truncation, and its teacher sequence (``teacher_prefix_ids`` + the
 same target tokens) goes into the teacher rows of the *same* micro-batch. Teacher sequences are
 packed next-fit in the order their students appear in the micro-batch (row by row, left to right),
@@ -20,6 +20,7 @@ import torch
 
 from prime_composer.orchestrator.packing import Piece, Placement, next_fit
 from prime_composer.orchestrator.sample import Sample
+from prime_composer.orchestrator.sdpo.target import sdpo_target
 from prime_composer.transport.batch import BatchGroup
 from prime_composer.transport.groups import SDPOGroup
 
@@ -45,10 +46,11 @@ class SDPOPacker:
             raise ValueError("the sdpo group is built from hinted samples; it takes no source items")
 
     def fit(self, sample: Sample, piece: Piece, seq_len: int) -> _Target | None:
-        if sample.sdpo is None:
+        target = sdpo_target(sample)
+        if target is None:
             return None
-        start, end = sample.sdpo.span[0], min(sample.sdpo.span[1], piece.completion_len)
-        teacher = list(sample.sdpo.teacher_prefix_ids) + list(sample.completion_ids[start:end])
+        start, end = target.span[0], min(target.span[1], piece.completion_len)
+        teacher = list(target.teacher_prefix_ids) + list(sample.completion_ids[start:end])
         if end <= start or len(teacher) > seq_len:
             return None
         return _Target(piece.num_prompt + start, piece.num_prompt + end, teacher)
@@ -88,7 +90,7 @@ class SDPOPacker:
     ) -> dict[str, float]:
         packed = sum(self.name in p.extras for p in pieces)
         kept_ids = {p.sample_id for p in pieces}
-        hinted_kept = sum(1 for i, s in enumerate(samples) if s.sdpo is not None and i in kept_ids)
+        hinted_kept = sum(1 for i, s in enumerate(samples) if sdpo_target(s) is not None and i in kept_ids)
         return {
             "sdpo/packed_samples": packed,
             "sdpo/teacher_rows": sum(

@@ -5,7 +5,7 @@ returns the hint's text, or None when it has nothing to say; ``HintBuilder`` tri
 configured order. A source never raises for bad data: a failed LLM call is counted and gives no
 hint, like any other rollout problem.
 
-What environments can put on ``Sample.info`` for these sources:
+What environments can put on ``Sample.episode`` (copied from ``trace.info``) for these sources:
 
 - ``feedback``: a string (about the last turn), a ``{"text", "turn", "kind"}`` dict, or a list of
   them. ``turn`` counts the rollout's assistant turns from 0 (negative from the end) and names the
@@ -66,7 +66,7 @@ class HintRequest:
 
 
 def parse_feedback(raw: Any) -> list[Feedback] | None:
-    """``Sample.info["feedback"]`` as a list, or None if it is malformed (counted, not raised)."""
+    """``Sample.episode.feedback`` as a list, or None if it is malformed (counted, not raised)."""
     if raw is None:
         return []
     items = raw if isinstance(raw, list) else [raw]
@@ -93,7 +93,7 @@ def feedback_for_turn(feedback: list[Feedback], turn: int, num_turns: int) -> li
 
 def error_kind(sample: Sample, feedback: list[Feedback], metric_error_kinds: dict[str, str]) -> str:
     """The key of the template to use: explicit, from feedback, from a failed metric, or generic."""
-    explicit = sample.info.get("error_kind")
+    explicit = sample.episode.error_kind
     if isinstance(explicit, str) and explicit:
         return explicit
     for f in feedback:
@@ -175,7 +175,7 @@ class TemplateHints:
 def template_fields(request: HintRequest) -> dict[str, Any]:
     """Placeholder values: the task's scalar fields, then ``reply``, ``feedback``, ``error_kind``,
     ``reward`` (empty feedback is absent, so a template that needs it is skipped)."""
-    task = request.sample.info.get("task")
+    task = request.sample.episode.task
     fields: dict[str, Any] = {}
     if isinstance(task, dict):
         fields.update({k: v for k, v in task.items() if isinstance(v, str | int | float | bool)})
@@ -230,7 +230,7 @@ class LLMHints:
 def describe_trace(request: HintRequest) -> str:
     """The hint request's user message: task data, the trace up to the target turn, the outcome."""
     lines = []
-    task = request.sample.info.get("task")
+    task = request.sample.episode.task
     if task:
         lines += ["Task data:", json.dumps(task, ensure_ascii=False, default=str), ""]
     lines.append("Conversation:")

@@ -16,21 +16,22 @@ which has a ``weight``). The trainer step (``trainer/step.py``) knows none of th
 5. after the optimizer step, ``TermContext.after_optimizer_step`` moves the EMA copy.
 
 A term whose weight is 0 is never constructed (``build_terms``), so it costs nothing: no copy of
-the policy, no teacher forward, no collective. Adding a term is one file here named
-``<name>_term.py`` (a subclass with ``@register_term("<name>")``; ``build_terms`` imports every
-``*_term`` module of this package) plus its config section ``<name>`` in ``config/loss.py``; the
-step does not change (``docs/architecture.md`` walks through an example).
+the policy, no teacher forward, no collective. A term is the trainer side of a channel
+(``config/channels.py``): a subclass with ``@register_term("<name>")`` in the module the channel's
+``ChannelSpec.term_module`` names (the built-in ones are the ``*_term`` modules here), which
+``build_terms`` imports; its config section is the channel's ``trainer.loss.<name>``. The step
+does not change (``docs/architecture.md`` walks through an example).
 """
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from torch import Tensor, nn
 
+from prime_composer.config.channels import channel, channels
 from prime_composer.config.loss import LossConfig
 from prime_composer.trainer.forward import ForwardOutput
 from prime_composer.trainer.policy_copy import CopyKind, PolicyCopy
@@ -123,8 +124,8 @@ def register_term(name: str) -> Callable[[T], T]:
     def decorate(cls: T) -> T:
         if name in LOSS_TERMS:
             raise TypeError(f"loss term {name!r} is registered twice")
-        if name not in LossConfig.model_fields:
-            raise TypeError(f"loss term {name!r} has no config section trainer.loss.{name} in config/loss.py")
+        if channel(name) is None:
+            raise TypeError(f"loss term {name!r} belongs to no registered channel (config/channels.py)")
         cls.name = name
         LOSS_TERMS[name] = cls.build  # type: ignore[attr-defined]
         return cls
@@ -133,20 +134,16 @@ def register_term(name: str) -> Callable[[T], T]:
 
 
 def load_term_modules() -> None:
-    """Import every ``*_term`` module of this package, so their terms are registered."""
-    import prime_composer.trainer.losses as package
-
-    for info in pkgutil.iter_modules(package.__path__):
-        if info.name.endswith("_term"):
-            importlib.import_module(f"{package.__name__}.{info.name}")
+    """Import every registered channel's term module, so their terms are registered."""
+    for spec in channels():
+        importlib.import_module(spec.term_module)
 
 
 def build_terms(cfg: LossConfig, ctx: TermContext) -> list[LossTerm]:
-    """The enabled terms (weight > 0), in the order of ``LossConfig``'s sections."""
+    """The enabled terms (weight > 0), in the channels' registration order."""
     load_term_modules()
     terms = []
-    for name in LossConfig.model_fields:
-        section = getattr(cfg, name)
+    for name, section in cfg.sections():
         if section.weight <= 0:
             continue
         if name not in LOSS_TERMS:
