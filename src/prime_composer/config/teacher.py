@@ -187,6 +187,11 @@ class TraceSourceConfig(BaseConfig):
     max_turn_chars: int = Field(default=200_000, ge=1)
     """A trace with a turn whose content is longer than this is rejected."""
 
+    max_json_depth: int = Field(default=64, ge=8, le=512)
+    """A trace whose objects and arrays nest deeper than this (the trace itself is depth 1; a tool
+    call's arguments are depth 6) is rejected, and a ``POST /v1/traces`` body holding one is
+    refused with 400."""
+
 
 class GateConfig(BaseConfig):
     """The value-of-information gate: which steps of a trace are worth paying teachers for.
