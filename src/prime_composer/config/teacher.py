@@ -42,7 +42,7 @@ from typing import Any, Literal, Self
 
 from pydantic import Field, model_validator
 
-from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, ModelConfig
+from prime_composer.config.base import DEFAULT_OUTPUT_DIR, MAX_LR, BaseConfig, ModelConfig
 from prime_composer.config.client import RetryConfig
 
 DEFAULT_INSTRUCTIONS = (
@@ -76,7 +76,7 @@ class LocalTeacherConfig(BaseConfig):
     warmup_batch_size: int = Field(default=16, ge=1)
     """Conversations per SFT step."""
 
-    warmup_lr: float = Field(default=3e-3, gt=0.0)
+    warmup_lr: float = Field(default=3e-3, gt=0.0, le=MAX_LR)
     """SFT learning rate (constant)."""
 
     warmup_label_smoothing: float = Field(default=0.0, ge=0.0, lt=1.0)
