@@ -89,3 +89,15 @@ def test_zmq_transport_takes_a_free_port_in_every_section(tmp_path: Path) -> Non
     assert port != config.inference.port
     fixed, _ = resolve_rl_config([*argv, "--transport.port", "5999"])
     assert fixed.trainer.transport.port == fixed.orchestrator.transport.port == 5999
+
+
+def test_the_launcher_starts_and_health_checks_the_chosen_ports(tmp_path: Path) -> None:
+    from prime_composer.launch.rl import build_specs, write_resolved_configs
+
+    with holding(8000, 8100):
+        argv = ["@", str(CONFIGS / "quickstart-replay.toml"), "--output-dir", str(tmp_path)]
+        config, _ = resolve_rl_config(argv)
+        specs = {s.name: s for s in build_specs(config, write_resolved_configs(config))}
+    assert specs["inference"].health_url == f"http://127.0.0.1:{config.inference.port}/health"
+    assert specs["teacher"].health_url == f"http://127.0.0.1:{config.teacher.port}/health"
+    assert not {config.inference.port, config.teacher.port} & {8000, 8100}
