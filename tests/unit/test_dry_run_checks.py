@@ -134,8 +134,10 @@ def test_quoted_numbers_are_refused_and_toml_ints_still_fill_floats(
     # Environment variables and flags are text by nature: they are read as TOML values.
     monkeypatch.setenv("PRIME_COMPOSER_SEED", "7")
     monkeypatch.setenv("PRIME_COMPOSER_TRAINER__OPTIM__LR", "3e-4")
+    monkeypatch.setenv("PRIME_COMPOSER_ORCHESTRATOR__SAMPLING__EXTRA_BODY", '{"tag": "5"}')
     config, _ = resolve_rl_config(["--max-steps", "3"])
     assert (config.seed, config.trainer.optim.lr, config.max_steps) == (7, 3e-4, 3)
+    assert config.orchestrator.sampling.extra_body == {"tag": "5"}  # free-form tables keep their text
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)

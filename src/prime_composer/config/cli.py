@@ -306,7 +306,11 @@ def _type_env_text(
         if isinstance(value, dict):
             _type_env_text(value, model, origins, dotted + ".")
         elif isinstance(value, str):
-            values[key] = _parse_cli_value(value, resolve_field(model, dotted, origins.get(dotted, "")))
+            try:
+                annotation = resolve_field(model, dotted, origins.get(dotted, ""))
+            except ConfigError:  # inside a free-form table (extra_body = {...}): text stays text
+                continue
+            values[key] = _parse_cli_value(value, annotation)
 
 
 def _check_env_names(model: type[BaseModel], prefix: str) -> None:
