@@ -30,7 +30,8 @@ def test_dry_run_prints_the_recipe_on_a_cpu_machine() -> None:
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        # --dry-run checks that the variables the recipe names are set (their values stay unread).
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OPENAI_API_KEY": "sk-dry-run"},
         check=False,
     )
     assert proc.returncode == 0, proc.stderr

@@ -356,6 +356,8 @@ def test_dry_run_prints_resolved_config(tmp_path: Path) -> None:
             sys.executable,
             "-m",
             "prime_composer.launch.rl",
+            "@",
+            str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.toml"),  # preflight passes
             "--dry-run",
             "--max-steps",
             "4",
@@ -388,7 +390,7 @@ ENV_CASES = [
         "{bad json",
         ["environment variable PRIME_COMPOSER_TRAINER", "not valid JSON"],
     ),
-    ("PRIME_COMPOSER_MAX_STEPS", "true", ["PRIME_COMPOSER_MAX_STEPS", "valid integer"]),
+    ("PRIME_COMPOSER_MAX_STEPS", "true", ["PRIME_COMPOSER_MAX_STEPS", "where an integer is expected"]),
 ]
 
 

@@ -3,8 +3,9 @@
 Rules every config model follows (they make ``--help`` and the error messages work):
 
 - unknown keys are errors (``extra="forbid"``), so a typo never silently does nothing;
-- numbers are numbers: ``inf``/``nan`` are refused (``allow_inf_nan=False``) and so is a boolean
-  where a number is expected (pydantic would read ``max_steps = true`` as 1);
+- numbers are numbers: ``inf``/``nan`` are refused (``allow_inf_nan=False``) and so are a boolean
+  and a quoted string where a number is expected (pydantic would read ``max_steps = true`` as 1 and
+  ``seed = '5'`` as 5); an integer where a float is expected is fine (``lr = 1`` is 1.0);
 - every field has a docstring directly under it: it becomes the field's description and the
   user's documentation in ``--help``;
 - no torch import anywhere under ``config/``.
@@ -29,6 +30,22 @@ def _is_number(annotation: Any) -> bool:
     )
 
 
+def _takes_text(annotation: Any) -> bool:
+    if annotation is str or annotation is Path:
+        return True
+    return any(_takes_text(a) for a in typing.get_args(annotation) if a is not type(None))
+
+
+MAX_STEPS = 10**9
+"""The largest step count a config accepts (more is a typo: a billion steps never finish)."""
+
+MAX_LR = 1.0
+"""The largest learning rate a config accepts (Adam's updates blow up long before it)."""
+
+MAX_LORA_ALPHA = 65536.0
+"""The largest LoRA alpha a config accepts (the update is scaled by alpha / rank)."""
+
+
 class BaseConfig(BaseModel):
     """Strict base: forbids unknown keys, validates assignment, docstrings become descriptions."""
 
@@ -43,16 +60,16 @@ class BaseConfig(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool) and info.field_name is not None:
+        if isinstance(value, (bool, str)) and info.field_name is not None:
             field = cls.model_fields.get(info.field_name)
-            if (
-                field is not None
-                and _is_number(field.annotation)
-                and bool not in typing.get_args(field.annotation)
-            ):
-                raise ValueError(
-                    f"a boolean ({str(value).lower()}) where a number is expected: give a number"
-                )
+            if field is None or not _is_number(field.annotation):
+                return value
+            args = typing.get_args(field.annotation) or (field.annotation,)
+            kind = "a number" if float in args else "an integer"
+            if isinstance(value, bool) and bool not in args:
+                raise ValueError(f"a boolean ({str(value).lower()}) where {kind} is expected: give {kind}")
+            if isinstance(value, str) and not _takes_text(field.annotation):
+                raise ValueError(f"text ({value!r}) where {kind} is expected: write {kind} without quotes")
         return value
 
 

@@ -275,7 +275,25 @@ def env_layer(model: type[BaseModel], prefix: str) -> Layer:
         dotted: f"environment variable {prefix}{dotted.replace('.', '__').upper()}"
         for dotted in flatten(values)
     }
+    _type_env_text(values, model, origins)
     return Layer(values=values, origins=origins)
+
+
+def _type_env_text(
+    values: dict[str, Any], model: type[BaseModel], origins: dict[str, str], prefix: str = ""
+) -> None:
+    """Variables are text: read each like a command-line value (``"4"`` is 4 for a number field),
+    since config files may not quote their numbers."""
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            _type_env_text(value, model, origins, dotted + ".")
+        elif isinstance(value, str):
+            try:
+                annotation = resolve_field(model, dotted, origins.get(dotted, ""))
+            except ConfigError:  # inside a free-form table (extra_body = {...}): text stays text
+                continue
+            values[key] = _parse_cli_value(value, annotation)
 
 
 def _check_env_names(model: type[BaseModel], prefix: str) -> None:
@@ -494,8 +512,10 @@ def run_entry_point(
     finalize: Callable[[M, dict[str, str]], M] | None = None,
     describe: str = "",
     translate: RawTranslator | None = None,
+    check: Callable[[M], None] | None = None,
 ) -> int:
-    """The whole life of a console script: parse, ``--help``/``--dry-run``, run, exit code."""
+    """The whole life of a console script: parse, ``--help``/``--dry-run``, run, exit code;
+    ``check`` (raising ``ConfigError``) runs before ``--dry-run`` prints the config."""
 
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -511,6 +531,12 @@ def run_entry_point(
         print(render_help(model, prog=prog, describe=describe, env_prefix=env_prefix, aliases=aliases))
         return 0
     if options.dry_run:
+        try:
+            if check is not None:
+                check(config)
+        except ConfigError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
         try:
             print(json.dumps(config.model_dump(mode="json"), indent=2), flush=True)
         except BrokenPipeError:  # `rl ... --dry-run | head`: the reader has what it wanted

@@ -11,7 +11,13 @@ from pathlib import Path
 
 from pydantic import Field
 
-from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, CheckpointConfig, ModelConfig
+from prime_composer.config.base import (
+    DEFAULT_OUTPUT_DIR,
+    MAX_STEPS,
+    BaseConfig,
+    CheckpointConfig,
+    ModelConfig,
+)
 from prime_composer.config.transport import TransportConfig
 
 
@@ -24,7 +30,7 @@ class CommonConfig(BaseConfig):
     output_dir: Path = DEFAULT_OUTPUT_DIR
     """Run directory: configs/, logs/, metrics/, rollouts/, broadcasts/, checkpoints/."""
 
-    max_steps: int = Field(default=20, ge=1)
+    max_steps: int = Field(default=20, ge=1, le=MAX_STEPS)
     """Number of training steps (optimizer steps of the trainer, batches of the orchestrator)."""
 
     seed: int = Field(default=0, ge=0, lt=2**63)

@@ -6,13 +6,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from prime_composer.config.base import BaseConfig
+from prime_composer.config.base import MAX_LR, BaseConfig
 
 
 class OptimConfig(BaseConfig):
     """AdamW with warmup then a constant, linear or cosine learning-rate schedule."""
 
-    lr: float = Field(default=1e-5, gt=0)
+    lr: float = Field(default=1e-5, gt=0, le=MAX_LR)
     """Peak learning rate, reached at the end of warmup."""
 
     weight_decay: float = Field(default=0.01, ge=0)

@@ -8,6 +8,7 @@ from typing import cast
 from prime_composer.config.channels import Pairing, Switched, Weighted, channels
 from prime_composer.config.cli import CliOptions, build_config, origin_of
 from prime_composer.config.errors import ConfigError
+from prime_composer.config.ports import assign_free_ports
 from prime_composer.config.prime_rl import PrimeRLNames
 from prime_composer.config.processes import SECTION_NAMES, checkpoint_parts
 from prime_composer.config.rl import RLConfig
@@ -22,6 +23,7 @@ PRIME_RL_NAMES = PrimeRLNames(RLConfig)
 def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
     """Shared keys, then the wiring between processes the user should not have to repeat."""
     config = unify_shared_keys(config, origins)
+    assign_free_ports(config)  # servers without a port in the config take a free one (config/ports.py)
     if config.ckpt.resume_step is not None and not config.ckpt.resume:
         set_shared(config, "ckpt.resume", True)
     parts = checkpoint_parts(config)

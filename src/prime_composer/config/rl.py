@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from prime_composer.config.base import BaseConfig
+from prime_composer.config.base import MAX_LR, MAX_STEPS, BaseConfig
 from prime_composer.config.common import CommonConfig
 from prime_composer.config.diloco import DilocoConfig
 from prime_composer.config.inference import InferenceConfig
@@ -85,13 +85,13 @@ class WarmupConfig(BaseConfig):
     num_examples: int = Field(default=1000, ge=1)
     """Conversations to generate when ``data`` is not given."""
 
-    max_steps: int = Field(default=30, ge=1)
+    max_steps: int = Field(default=30, ge=1, le=MAX_STEPS)
     """SFT optimizer steps."""
 
     batch_size: int = Field(default=16, ge=1)
     """Conversations per SFT step."""
 
-    lr: float = Field(default=1e-3, gt=0)
+    lr: float = Field(default=1e-3, gt=0, le=MAX_LR)
     """SFT learning rate (constant)."""
 
     label_smoothing: float = Field(default=0.0, ge=0.0, lt=1.0)

@@ -6,7 +6,13 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, CheckpointConfig, ModelConfig
+from prime_composer.config.base import (
+    DEFAULT_OUTPUT_DIR,
+    MAX_STEPS,
+    BaseConfig,
+    CheckpointConfig,
+    ModelConfig,
+)
 from prime_composer.config.optim import OptimConfig
 
 
@@ -25,7 +31,7 @@ class SFTConfig(BaseConfig):
     """JSONL file, one conversation per line: ``{"messages": [{"role": "user", "content": "..."},
     {"role": "assistant", "content": "..."}, ...]}``. Every line needs at least one assistant turn."""
 
-    max_steps: int = Field(default=100, ge=1)
+    max_steps: int = Field(default=100, ge=1, le=MAX_STEPS)
     """Number of optimizer steps (the data is repeated in a new shuffled order each epoch)."""
 
     batch_size: int = Field(default=16, ge=1)

@@ -42,7 +42,7 @@ from typing import Any, Literal, Self
 
 from pydantic import Field, model_validator
 
-from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, ModelConfig
+from prime_composer.config.base import DEFAULT_OUTPUT_DIR, MAX_LR, BaseConfig, ModelConfig
 from prime_composer.config.client import RetryConfig
 
 DEFAULT_INSTRUCTIONS = (
@@ -76,7 +76,7 @@ class LocalTeacherConfig(BaseConfig):
     warmup_batch_size: int = Field(default=16, ge=1)
     """Conversations per SFT step."""
 
-    warmup_lr: float = Field(default=3e-3, gt=0.0)
+    warmup_lr: float = Field(default=3e-3, gt=0.0, le=MAX_LR)
     """SFT learning rate (constant)."""
 
     warmup_label_smoothing: float = Field(default=0.0, ge=0.0, lt=1.0)
@@ -186,6 +186,11 @@ class TraceSourceConfig(BaseConfig):
 
     max_turn_chars: int = Field(default=200_000, ge=1)
     """A trace with a turn whose content is longer than this is rejected."""
+
+    max_json_depth: int = Field(default=64, ge=8, le=512)
+    """A trace whose objects and arrays nest deeper than this (the trace itself is depth 1; a tool
+    call's arguments are depth 6) is rejected, and a ``POST /v1/traces`` body holding one is
+    refused with 400."""
 
 
 class GateConfig(BaseConfig):

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from prime_composer.config.base import BaseConfig, ModelConfig
+from prime_composer.config.base import MAX_LORA_ALPHA, BaseConfig, ModelConfig
 from prime_composer.config.common import CommonConfig
 from prime_composer.config.diloco import DilocoConfig
 from prime_composer.config.loss import LossConfig
@@ -28,7 +28,7 @@ class LoraConfig(BaseConfig):
     rank: int = Field(default=16, ge=1, le=1024)
     """Rank ``r`` of every adapter (the ``vllm`` backend serves ranks up to 512)."""
 
-    alpha: float = Field(default=32.0, gt=0)
+    alpha: float = Field(default=32.0, gt=0, le=MAX_LORA_ALPHA)
     """Scale numerator: the update is ``(alpha / rank) * B @ A``."""
 
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)

@@ -12,11 +12,23 @@ from __future__ import annotations
 import sys
 
 from prime_composer.config.cli import run_entry_point
+from prime_composer.config.errors import ConfigError
 from prime_composer.config.inference import InferenceConfig
+from prime_composer.inference.auth import resolve_admin_secret
 from prime_composer.logs import setup_logging
 
 
+def check_bind(config: InferenceConfig) -> None:
+    """A bind the server would refuse (no secret off loopback, an unset secret variable), said at
+    once: before torch or vLLM is imported, and by ``--dry-run``."""
+    try:
+        resolve_admin_secret(config.host, config.secret_env)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def run(config: InferenceConfig) -> int:
+    check_bind(config)
     setup_logging("inference")
     if config.backend == "vllm":
         from prime_composer.inference.vllm import serve_vllm
@@ -37,6 +49,7 @@ def main() -> None:
             prog="inference",
             env_prefix="PRIME_COMPOSER_INFERENCE__",
             describe="Serve the policy over an OpenAI-compatible API with live weight updates.",
+            check=check_bind,
         )
     )
 

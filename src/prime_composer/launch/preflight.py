@@ -21,18 +21,26 @@ from prime_composer.config.rl import RLConfig
 from prime_composer.model.resolve import tiny_spec_overrides
 from prime_composer.netaddr import is_loopback
 from prime_composer.orchestrator.env_ids import DEFAULT_ENV_DIRS, environment_exists
+from prime_composer.tracking.wandb_run import online_problem
+
+MIN_PROMPT_TOKENS = 16
+"""The fewest prompt tokens a rollout can have (a chat template's scaffold alone is about this)."""
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def preflight(config: RLConfig) -> None:
-    """Raise ``ConfigError`` listing every problem that would stop the run after launch."""
+    """Raise ``ConfigError`` listing every problem that would stop the run after launch (``rl``
+    runs it before it touches the run directory, and ``rl --dry-run`` runs it too)."""
     problems = [
         *_secret_problems(config),
         *_model_problems(config),
         *_environment_problems(config),
         *_port_problems(config),
+        *_length_problems(config),
     ]
+    if config.wandb is not None and (wandb := online_problem(config.wandb)) is not None:
+        problems.append(wandb)
     if config.warmup.enabled and config.warmup.data is not None and not config.warmup.data.is_file():
         problems.append(f"warmup.data = '{config.warmup.data}': no such file")
     if problems:
@@ -130,4 +138,28 @@ def _port_problems(config: RLConfig) -> list[str]:
                 problems.append(
                     f"{key} = {port}: cannot listen on {bind_host}:{port} ({e.strerror}); free it or pick another"
                 )
+    return problems
+
+
+def _length_problems(config: RLConfig) -> list[str]:
+    """The server's context against what the orchestrator asks of it: every request is a prompt
+    plus ``sampling.max_tokens``, and rows are packed to ``seq_len`` tokens."""
+    max_model_len = config.inference.max_model_len
+    if max_model_len is None:
+        return []
+    problems = []
+    max_tokens = config.orchestrator.sampling.max_tokens
+    if max_model_len < max_tokens + MIN_PROMPT_TOKENS:
+        problems.append(
+            f"inference.max_model_len = {max_model_len} leaves no room for a prompt next to "
+            f"orchestrator.sampling.max_tokens = {max_tokens} (every request would fail): raise "
+            f"max_model_len to at least {max_tokens + MIN_PROMPT_TOKENS} or lower max_tokens"
+        )
+    seq_len = config.orchestrator.seq_len
+    if max_model_len < seq_len:
+        problems.append(
+            f"inference.max_model_len = {max_model_len} is shorter than orchestrator.seq_len = {seq_len}: "
+            "rollouts as long as the rows the trainer is sized for would be refused; raise "
+            "max_model_len or lower seq_len"
+        )
     return problems

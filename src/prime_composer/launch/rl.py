@@ -282,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             finalize=finalize_rl_config,
             describe="Run inference, orchestrator and trainer together (see docs/architecture.md).",
             translate=PRIME_RL_NAMES,
+            check=preflight,  # --dry-run runs every check that needs no process
         )
     )
 

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+MAX_CURSOR = 2**63 - 1
+"""The largest cursor there can be (SQLite's integers are 64-bit)."""
+
 
 @dataclass(frozen=True)
 class Pair:
@@ -97,6 +100,8 @@ class PairStore:
         """Up to ``n`` ready pairs with ``cursor > after_cursor``, in cursor order."""
         if n < 1:
             raise ValueError(f"PairStore.take: n must be at least 1, got {n}")
+        if not 0 <= after_cursor <= MAX_CURSOR:
+            raise ValueError(f"PairStore.take: after_cursor must be in [0, {MAX_CURSOR}], got {after_cursor}")
         conn = self._connection()
         if conn is None:
             return []
@@ -123,6 +128,14 @@ class PairStore:
             "SELECT COUNT(*) FROM pairs WHERE status = 'ready' AND cursor > ?", (after_cursor,)
         )
         return int(row.fetchone()[0])
+
+    def has_trace(self, trace_id: str) -> bool:
+        """Whether the store holds a trace with this id."""
+        conn = self._connection()
+        if conn is None:
+            return False
+        row = conn.execute("SELECT 1 FROM traces WHERE trace_id = ?", (trace_id,)).fetchone()
+        return row is not None
 
     def process_rewards(self, trace_id: str) -> dict[int, float]:
         """``turn_index -> process reward`` of every labeled step of a trace (pairs, confirmations

@@ -7,7 +7,9 @@ rebuild spending from the ledger. Then:
 - ``serve = false``: label everything pending, compute reference logprobs, log the stats, exit;
 - ``serve = true``: serve the routes (``server.py``) and repeat "label what is pending" until
   SIGTERM/SIGINT, waking early when ``POST /v1/traces`` brings new traces; a worker thread turns
-  pending pair candidates into ready pairs meanwhile. The bound address is written to
+  pending pair candidates into ready pairs meanwhile. The event loop of the routes does nothing
+  else: the replay loop runs on its own event loop in a thread, POSTed bodies are parsed and stored
+  in a worker process (``ingest.py``), so ``/health`` answers at once whatever the load. The bound address is written to
   ``<output_dir>/teacher/service.json`` (``{"url": ...}``; ``port = 0`` picks a free port).
 
 Metrics go to ``<output_dir>/metrics/teacher.jsonl`` after every pass.
@@ -22,7 +24,7 @@ import json
 import logging
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from prime_composer.config.teacher import TeacherServiceConfig
 from prime_composer.io import atomic_write_text
 from prime_composer.metrics import MetricsLogger
 from prime_composer.teacher.budget import Budget
+from prime_composer.teacher.ingest import TraceIngestor
 from prime_composer.teacher.pool import StudentSampler, TeacherPool
 from prime_composer.teacher.reference import ReferenceScorer
 from prime_composer.teacher.replay import Replayer, import_sources, reference_pass
@@ -116,7 +119,9 @@ class _Server:
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP: asyncio sets TCP_NODELAY only on connections accepted from such a socket, and
+    # without it each kept-alive response waits ~40 ms for a delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host.strip("[]"), port))
     return sock
@@ -161,6 +166,54 @@ async def _run(cfg: TeacherServiceConfig, store: TeacherStore, secret: str | Non
         reference_store.close()
 
 
+class _ReplayThread:
+    """The replay loop on an event loop of its own, in a thread: planning a large trace, its SQLite
+    writes and the teachers' answers never hold up the routes (``/health`` included)."""
+
+    def __init__(
+        self, cfg: TeacherServiceConfig, store: TeacherStore, replayer: Replayer, metrics: MetricsLogger
+    ):
+        self.cfg, self.store, self.replayer, self.metrics = cfg, store, replayer, metrics
+        self._loop = asyncio.new_event_loop()
+        self._stop, self._wake = asyncio.Event(), asyncio.Event()
+
+    def wake(self) -> None:
+        """New traces arrived (any thread)."""
+        self._call(self._wake.set)
+
+    def stop(self) -> None:
+        """Finish the pass in progress, then return from ``run`` (any thread)."""
+        self._call(self._stop.set)
+        self._call(self._wake.set)
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has already finished and closed
+            self._loop.call_soon_threadsafe(fn)
+
+    def run(self) -> None:
+        try:
+            self._loop.run_until_complete(self._main())
+        finally:
+            self._loop.close()
+
+    async def _main(self) -> None:
+        iteration = 0
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()
+                labeled = await self.replayer.run_pending()
+                iteration += 1
+                self.metrics.log(
+                    iteration, {**_summary(self.store.stats()), "teacher/steps_labeled": labeled}
+                )
+                if labeled == 0:
+                    await _wait(self._wake, self.cfg.poll_s)
+        finally:  # the teachers' HTTP clients belong to this loop
+            await self.replayer.pool.aclose()
+            if self.replayer.student is not None:
+                await self.replayer.student.aclose()
+
+
 async def _serve(
     cfg: TeacherServiceConfig,
     store: TeacherStore,
@@ -171,18 +224,21 @@ async def _serve(
     metrics: MetricsLogger,
 ) -> None:
     loop = asyncio.get_running_loop()
-    stop, wake = asyncio.Event(), asyncio.Event()
+    stop = asyncio.Event()
+    replay = _ReplayThread(cfg, store, replayer, metrics)
 
     def request_stop() -> None:
         stop.set()
-        wake.set()  # an idle replay loop waits on wake
+        replay.stop()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, request_stop)
     sock = _bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-    server = _Server(build_app(cfg, store, secret, wake), sock)
+    ingestor = TraceIngestor(cfg.store_path, cfg.traces)
+    app, close_reads = build_app(cfg, secret, ingestor, on_traces=replay.wake)
+    server = _Server(app, sock)
     serving = asyncio.create_task(server.serve())
     atomic_write_text(cfg.store_path.parent / "service.json", json.dumps({"url": url}) + "\n")
     logger.info("serving on %s", url)
@@ -206,18 +262,16 @@ async def _serve(
                 await _wait(stop, cfg.poll_s)
 
     referencing = asyncio.create_task(reference_loop())
-    iteration = 0
+    replaying = asyncio.create_task(asyncio.to_thread(replay.run))
+    stopping = asyncio.create_task(stop.wait())
     try:
-        while not stop.is_set():
-            wake.clear()
-            labeled = await replayer.run_pending()
-            iteration += 1
-            metrics.log(iteration, {**_summary(store.stats()), "teacher/steps_labeled": labeled})
-            if labeled == 0:
-                await _wait(wake, cfg.poll_s)
+        await asyncio.wait({replaying, stopping}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         logger.info("stopping")
-        stop.set()
+        request_stop()
         server.stop()
-        await asyncio.gather(serving, referencing, return_exceptions=True)
+        await asyncio.gather(serving, referencing, stopping, return_exceptions=True)
         sock.close()
+        ingestor.close()
+        close_reads()
+    await replaying  # a replay loop that failed fails the service

@@ -35,15 +35,22 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from prime_composer.config.teacher import TraceSourceConfig
 
+TRACE_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*$"
+"""A trace id: letters, digits and ``_ . : @ + = -`` (no ``/``, no control characters, not starting
+with a dot); verifiers' uuid hex ids and ``t-17`` style names fit."""
+
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+ExitCode = Annotated[int, Field(ge=-(2**31), lt=2**31)]
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ToolCall(_Strict):
@@ -66,15 +73,15 @@ class Turn(_Strict):
     """Tool turns only: which call this is the result of."""
     name: str | None = None
     """Tool turns only: the tool's name."""
-    exit_code: int | None = None
+    exit_code: ExitCode | None = None
     """Tool turns only: the command's exit status when the tool reports one."""
     is_error: bool | None = None
     """Tool turns only: the tool reported a failure."""
     logprobs: list[float] | None = None
     """Assistant turns only: logprobs of the sampled action tokens (the student's uncertainty)."""
-    token_ids: list[int] | None = None
+    token_ids: list[TokenId] | None = None
     """Assistant turns only: the action's tokens as sampled (with the end-of-turn token)."""
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     """Assistant turns only: the exact context token ids the student was given."""
 
     @model_validator(mode="after")
@@ -101,7 +108,7 @@ class Turn(_Strict):
 class TraceRecord(_Strict):
     """One trace, as one JSONL line."""
 
-    id: str | None = Field(default=None, min_length=1, max_length=200)
+    id: str | None = Field(default=None, min_length=1, max_length=200, pattern=TRACE_ID_PATTERN)
     task: str | dict[str, Any] = ""
     tools: list[dict[str, Any]] = Field(default_factory=list)
     turns: list[Turn] = Field(min_length=1)
@@ -160,10 +167,25 @@ def _sha256(value: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON) has objects or arrays nested more than ``limit`` deep (the
+    outermost one is depth 1); without recursion, so any depth is safe to ask about."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
 def parse_trace(data: Any, source: str, limits: TraceSourceConfig) -> Trace:
     """Validate one trace object; ``TraceError`` with a one-line message naming ``source``."""
     if not isinstance(data, dict):
         raise TraceError(f"{source}: a trace must be a JSON object, got {type(data).__name__}")
+    if nested_deeper_than(data, limits.max_json_depth):
+        raise TraceError(f"{source}: nested deeper than traces.max_json_depth = {limits.max_json_depth}")
     try:
         record = TraceRecord.model_validate(data)
     except ValidationError as e:
@@ -236,7 +258,12 @@ def _read(path: Path, limits: TraceSourceConfig, convert: Any) -> ImportResult:
             continue
         try:
             data = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except RecursionError:
+            result.errors.append(
+                (number, f"{source}: nested deeper than traces.max_json_depth = {limits.max_json_depth}")
+            )
+            continue
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, or an integer of > 4300 digits
             result.errors.append((number, f"{source}: not valid JSON ({e})"))
             continue
         try:

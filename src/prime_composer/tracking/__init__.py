@@ -5,6 +5,12 @@
 """
 
 from prime_composer.tracking.tail import MetricsTail
-from prime_composer.tracking.wandb_run import WandbTracker, redact, resolve_mode, start_tracker
+from prime_composer.tracking.wandb_run import (
+    WandbTracker,
+    online_problem,
+    redact,
+    resolve_mode,
+    start_tracker,
+)
 
-__all__ = ["MetricsTail", "WandbTracker", "redact", "resolve_mode", "start_tracker"]
+__all__ = ["MetricsTail", "WandbTracker", "online_problem", "redact", "resolve_mode", "start_tracker"]

@@ -17,6 +17,7 @@ Offline by default without network (``mode = "auto"``): the run is written under
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import netrc
@@ -66,6 +67,34 @@ def resolve_mode(mode: str) -> tuple[str, str]:
     except OSError as e:
         return "offline", f"{host} cannot be reached ({e})"
     return "online", f"{host} reachable"
+
+
+def online_problem(cfg: WandbConfig) -> str | None:
+    """Why an online W&B run could not start, in one line (``None`` when it can, or when the run is
+    not online): checked before the run directory is touched, instead of wandb failing after it."""
+    if cfg.mode == "disabled":
+        return None
+    if importlib.util.find_spec("wandb") is None:
+        return "[wandb] is set but the wandb package is not installed: `uv sync --extra wandb`, or remove [wandb]"
+    mode = os.environ.get("WANDB_MODE", "auto") if cfg.mode == "auto" else cfg.mode
+    if mode != "online":
+        return None  # offline needs no server; auto goes offline by itself when there is none
+    base_url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    host = urlparse(base_url).hostname or "api.wandb.ai"
+    if not _has_api_key(host):
+        return (
+            f'wandb.mode = "online" but there is no W&B API key for {host} (set WANDB_API_KEY or run '
+            '`wandb login`), or use mode = "offline"'
+        )
+    port = urlparse(base_url).port or (443 if base_url.startswith("https") else 80)
+    try:
+        socket.create_connection((host, port), timeout=REACH_TIMEOUT_S).close()
+    except OSError as e:
+        return (
+            f'wandb.mode = "online" but {host}:{port} cannot be reached ({e.strerror or e}); '
+            'use mode = "offline" (upload later with `wandb sync`) or "auto"'
+        )
+    return None
 
 
 def _has_api_key(host: str) -> bool:
