@@ -29,6 +29,49 @@ ALL_TOOLS: tuple[ToolName, ...] = (
 )
 
 
+SYSTEM_PATHS = (
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    *(
+        f"/etc/{name}"
+        for name in (
+            "ld.so.cache",
+            "ld.so.conf",
+            "ld.so.conf.d",
+            "passwd",
+            "group",
+            "nsswitch.conf",
+            "hosts",
+            "host.conf",
+            "localtime",
+            "timezone",
+            "ssl",
+            "ca-certificates",
+            "alternatives",
+            "mime.types",
+            "os-release",
+            "debian_version",
+            "bash.bashrc",
+            "profile",
+            "inputrc",
+            "locale.alias",
+            "magic",
+            "protocols",
+            "services",
+            "shells",
+            "terminfo",
+        )
+    ),
+)
+"""The default ``SandboxConfig.system_paths``: programs, libraries and the few files of ``/etc``
+the C library, shells and Python read (no package-manager or tool configs, which may hold tokens)."""
+
+
 class LimitsConfig(BaseConfig):
     """Limits of one sandboxed run; a run that hits one is stopped or fails, and its result says which."""
 
@@ -95,21 +138,26 @@ class SandboxConfig(BaseConfig):
     num_uids: int = Field(default=4096, ge=1)
     """Size of the user id range, i.e. the most workspaces alive at once on this machine."""
 
-    hidden_paths: list[Path] = Field(default_factory=lambda: [Path("/root"), Path("/home"), Path("/run")])
-    """Folders replaced by an empty read-only folder inside the sandbox (home folders, sockets of
-    local services). Paths that do not exist are skipped. A folder inside an exposed one (such as
-    the base interpreter's ``site-packages``, exposed with the Python environment) is covered after
-    the exposed folder is bound back."""
+    system_paths: list[Path] = Field(default_factory=lambda: [Path(p) for p in SYSTEM_PATHS])
+    """The system's runtime, visible read-only inside (paths that do not exist are skipped). The
+    sandbox shows only these, the Python environment, ``exposed_paths`` and the workspace: project
+    checkouts, caches, ``/opt``, ``/srv``, ``/var``, home folders and every other folder of the
+    host are absent."""
+
+    hidden_paths: list[Path] = Field(default_factory=list)
+    """Folders inside what is visible (``system_paths``, the Python environment, ``exposed_paths``)
+    covered by an empty read-only folder, e.g. a copy of a project under ``/usr/lib``. The Python
+    environment itself stays visible even under a hidden folder."""
 
     exposed_paths: list[Path] = Field(default_factory=list)
-    """Folders under ``hidden_paths`` made visible again, read-only, at the same path. The Python
-    environment (``python_env`` and its base interpreter) is always added."""
+    """More folders visible read-only inside, at the same path. The Python environment
+    (``python_env`` and its base interpreter) is always visible."""
 
     private_tmp_paths: list[Path] = Field(
         default_factory=lambda: [Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")]
     )
-    """World-writable folders replaced by the workspace's own temporary folder, so nothing outside
-    the workspace is writable and episodes cannot see each other's files."""
+    """Temporary folders that are the workspace's own ``tmp/`` inside, so episodes cannot see each
+    other's files. A Python environment under one of them (a venv under ``/tmp``) is bound over it."""
 
     python_env: Path | None = None
     """Python environment (a venv or an installation prefix) whose ``bin`` comes first on ``PATH``
@@ -138,14 +186,13 @@ class SandboxConfig(BaseConfig):
             root = Path(self.root_dir)
             if not root.is_absolute():
                 raise ValueError(f"root_dir must be an absolute path, got {str(root)!r}")
-            for field in ("hidden_paths", "private_tmp_paths"):
-                for covered in getattr(self, field):
-                    if root == covered or covered in root.parents:
-                        raise ValueError(
-                            f"root_dir {str(root)!r} lies under {field} entry {str(covered)!r}, which is "
-                            "replaced inside the sandbox; choose a root_dir elsewhere"
-                        )
-        for field in ("hidden_paths", "exposed_paths", "private_tmp_paths"):
+            for covered in self.private_tmp_paths:
+                if root == covered or covered in root.parents:
+                    raise ValueError(
+                        f"root_dir {str(root)!r} lies under private_tmp_paths entry {str(covered)!r}, "
+                        "which is replaced inside the sandbox; choose a root_dir elsewhere"
+                    )
+        for field in ("system_paths", "hidden_paths", "exposed_paths", "private_tmp_paths"):
             for path in getattr(self, field):
                 if not Path(path).is_absolute():
                     raise ValueError(f"{field} entries must be absolute paths, got {str(path)!r}")

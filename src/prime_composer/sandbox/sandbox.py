@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_composer.config.sandbox import LimitsConfig, SandboxConfig
+from prime_composer.sandbox import mounts
 from prime_composer.sandbox.output import Capture
 from prime_composer.sandbox.spawn import Spawner, SpawnError, watch
 from prime_composer.sandbox.workspace import IdPool, Workspace
@@ -131,9 +132,22 @@ class Sandbox:
         self.root_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         self.root_dir = self.root_dir.resolve()
         self._python_env = Path(config.python_env or sys.prefix)
-        self._hide, self._expose, self._hide_inside, self._tmp_targets = self._mount_plan(
-            check_root_dir=is_root
+        if not (self._python_env / "bin").is_dir():
+            raise ValueError(
+                f"sandbox.python_env: {str(self._python_env)!r} has no bin/ folder; "
+                "point it at a venv or an installation prefix"
+            )
+        if is_root:  # unisolated, nothing is replaced
+            self._check_root_dir()
+        self._mounts = mounts.plan(
+            system_paths=config.system_paths,
+            python_env=self._python_env,
+            exposed_paths=config.exposed_paths,
+            hidden_paths=config.hidden_paths,
+            private_tmp_paths=config.private_tmp_paths,
         )
+        self._new_root = self.root_dir / ".root"
+        self._new_root.mkdir(mode=0o700, exist_ok=True)
         self._ids = IdPool(self.root_dir / ".uids", config.uid_base, config.num_uids)
         self._ids.sweep(self.root_dir)
         self._executor = ThreadPoolExecutor(config.max_concurrent_runs, thread_name_prefix="sandbox")
@@ -275,11 +289,8 @@ class Sandbox:
             "gid": workspace.uid if isolate else None,
             "rlimits": rlimits,
             "umask": 0o022,
-            "hide": self._hide,
-            "hide_inside": self._hide_inside,
-            "expose": self._expose,
-            "tmp_source": str(workspace.tmp),
-            "tmp_targets": self._tmp_targets,
+            "new_root": str(self._new_root),
+            "mounts": mounts.for_workspace(self._mounts, workspace.path, workspace.tmp),
             "loopback": self.config.loopback,
         }
 
@@ -324,39 +335,15 @@ class Sandbox:
             return f"a probe run of /bin/true ended with {result.exit_code or result.signal}: {result.stderr}"
         return None
 
-    def _mount_plan(self, *, check_root_dir: bool) -> tuple[list[str], list[str], list[str], list[str]]:
-        """Which folders to cover, to re-expose under them, to cover inside what was re-exposed
-        (e.g. a base interpreter's site-packages), and to replace with the workspace's tmp."""
-        hide = sorted(
-            {os.path.realpath(p) for p in self.config.hidden_paths if os.path.isdir(p)},
-        )
-        wanted = [*self.config.exposed_paths, *_python_dirs(self._python_env)]
-        for path in self.config.exposed_paths:
-            if not Path(path).is_dir():
-                raise ValueError(f"sandbox.exposed_paths: {str(path)!r} is not a folder")
-        expose = sorted(
-            {
-                real
-                for real in (os.path.realpath(p) for p in wanted)
-                if any(real != h and real.startswith(h + "/") for h in hide)
-            }
-        )
-        hide_inside = [h for h in hide if any(h != e and h.startswith(e + "/") for e in expose)]
-        # A folder under another hidden one (and not re-exposed) is hidden already.
-        hide = [h for h in hide if h not in hide_inside and not any(h.startswith(o + "/") for o in hide)]
-        tmp_targets = [
-            real
-            for real in dict.fromkeys(os.path.realpath(p) for p in self.config.private_tmp_paths)
-            if os.path.isdir(real) and not any(real == h or real.startswith(h + "/") for h in hide)
-        ]
+    def _check_root_dir(self) -> None:
         root = str(self.root_dir)
-        for covered in [*hide, *hide_inside, *tmp_targets] if check_root_dir else []:
-            if root == covered or root.startswith(covered + "/"):
+        for covered in self.config.private_tmp_paths:
+            real = os.path.realpath(covered)
+            if root == real or root.startswith(real + "/"):
                 raise ValueError(
-                    f"sandbox.root_dir {root!r} lies under {covered!r}, which is replaced inside the "
-                    "sandbox; choose a root_dir elsewhere"
+                    f"sandbox.root_dir {root!r} lies under {real!r}, which is replaced inside the "
+                    "sandbox by the workspace's own tmp; choose a root_dir elsewhere"
                 )
-        return hide, expose, hide_inside, tmp_targets
 
 
 def _result(
@@ -400,17 +387,6 @@ def _result(
         max_rss_kb=status.max_rss_kb,
         isolated=isolated,
     )
-
-
-def _python_dirs(env: Path) -> list[Path]:
-    """The environment's folder and its base interpreter's installation prefix."""
-    dirs = [env]
-    for name in ("python3", "python"):
-        interpreter = env / "bin" / name
-        if interpreter.exists():
-            dirs.append(Path(os.path.realpath(interpreter)).parent.parent)
-            break
-    return dirs
 
 
 def _default_root_dir(is_root: bool) -> Path:
