@@ -127,6 +127,15 @@ class SandboxConfig(BaseConfig):
     this user with the network, rlimits only and no process-count limit. Only for trusted code;
     a loud warning is logged."""
 
+    seccomp: bool = True
+    """Load a seccomp filter into every sandboxed command (``sandbox/_seccomp.py``): new namespaces
+    (``unshare``, ``clone`` with namespace flags, ``setns``), mounts, ``ptrace``, ``bpf``,
+    ``keyctl``, ``io_uring``, ... fail with EPERM. Needs ``seccomp_library``; without it the
+    sandbox refuses to start. ``false`` runs without the filter (a loud warning is logged)."""
+
+    seccomp_library: str = "libseccomp.so.2"
+    """The libseccomp shared library (a soname the dynamic loader finds, or a path)."""
+
     loopback: bool = True
     """Bring up the loopback interface inside the sandbox's empty network namespace, so tests can
     use 127.0.0.1 between their own processes; nothing outside the run is reachable either way."""

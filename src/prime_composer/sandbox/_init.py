@@ -1,6 +1,6 @@
 """The sandbox's fork server: starts each run's process tree (stdlib only, no package imports).
 
-``Sandbox`` starts this script once, as ``python -I -S _init.py SOCK_FD`` (as root in isolated
+``Sandbox`` starts this script once, as ``python -I -S _init.py SOCK_FD [SECCOMP_LIBRARY]`` (as root in isolated
 mode), and keeps it for its lifetime: a fork server, so a run costs a ``fork`` of this small,
 already warm process instead of a new interpreter (~15 ms) per call. One request on the
 ``SOCK_SEQPACKET`` socket carries five file descriptors: a memfd holding the run's spec (a
@@ -17,7 +17,9 @@ Isolated mode, below the server::
                              fork; reap every child until the command ends; report; exit,
                              which makes the kernel SIGKILL whatever is left in the namespace
            └─ command        rlimits, drop to the workspace's uid (no groups, no_new_privs),
-                             umask, chdir, exec with the spec's environment
+                             umask, chdir, the seccomp filter (``_seccomp.py``: no new
+                             namespaces, no mount, ptrace, bpf, ...), exec with the spec's
+                             environment
 
 ``outer`` and ``init`` ask for SIGKILL when their parent dies, so the death of the server or of
 ``outer`` tears the whole namespace down.
@@ -59,11 +61,24 @@ class SetupError(Exception):
     pass
 
 
+_filter = None
+_filter_error = "the fork server was started without a seccomp library"
+
+
 def main() -> None:
+    global _filter, _filter_error
     import socket
 
     libc = _libc()
     server = socket.socket(fileno=int(sys.argv[1]))
+    if len(sys.argv) > 2:  # build the filter once; every command loads it
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        try:
+            import _seccomp
+
+            _filter = _seccomp.Filter(sys.argv[2])
+        except OSError as e:
+            _filter_error = f"cannot use {sys.argv[2]}: {e}"
     server_pid = os.getpid()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps finished runs
     while True:
@@ -215,6 +230,10 @@ def _start_command(libc, spec: dict, status_fd: int) -> int:
         for sig in (signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL)
         os.chdir(spec["cwd"])
+        if spec.get("seccomp"):
+            if _filter is None:
+                raise SetupError(f"seccomp: {_filter_error}")
+            _filter.load()  # the last step before exec: nothing below may need what it refuses
     except Exception as e:
         _report(status_fd, "setup_error", f"preparing the command: {e}")
         os._exit(126)

@@ -151,7 +151,7 @@ class Sandbox:
         self._ids = IdPool(self.root_dir / ".uids", config.uid_base, config.num_uids)
         self._ids.sweep(self.root_dir)
         self._executor = ThreadPoolExecutor(config.max_concurrent_runs, thread_name_prefix="sandbox")
-        self._spawner = Spawner()
+        self._spawner = Spawner(config.seccomp_library if config.seccomp and is_root else None)
         self.isolated = False
         reason: str | None = "not running as root (uid separation and namespaces need it)"
         if is_root:
@@ -162,7 +162,8 @@ class Sandbox:
                 self.close()
                 raise IsolationUnavailable(
                     f"sandbox: cannot isolate commands here: {reason}. Run as root on Linux with "
-                    "namespaces available (unshare), or set sandbox.allow_unisolated = true to run "
+                    "namespaces available (unshare) and libseccomp.so.2 installed (or set "
+                    "sandbox.seccomp = false), or set sandbox.allow_unisolated = true to run "
                     "commands without isolation (trusted code only)."
                 )
             logger.warning(
@@ -173,6 +174,12 @@ class Sandbox:
                 "is set; never do this with untrusted code. !!!",
                 reason,
                 os.geteuid(),
+            )
+
+        if self.isolated and not config.seccomp:
+            logger.warning(
+                "!!! SANDBOX WITHOUT SECCOMP: sandbox.seccomp is false, so sandboxed commands may "
+                "create user namespaces, call ptrace, bpf, keyctl, io_uring, ... !!!"
             )
 
     # -- workspaces -----------------------------------------------------------------------
@@ -292,6 +299,7 @@ class Sandbox:
             "new_root": str(self._new_root),
             "mounts": mounts.for_workspace(self._mounts, workspace.path, workspace.tmp),
             "loopback": self.config.loopback,
+            "seccomp": isolate and self.config.seccomp,
         }
 
     def _execute(self, spec: dict[str, Any], limits: LimitsConfig, stdin: bytes | None) -> RunResult:
