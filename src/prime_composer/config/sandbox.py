@@ -86,9 +86,20 @@ class LimitsConfig(BaseConfig):
     reserved, not resident, memory: programs that map large regions up front (CUDA libraries,
     JAX) need more than they use."""
 
+    run_memory_mb: int | None = Field(default=4096, ge=16)
+    """Memory of the whole run in MiB: every process of it together, page cache and tmpfs files
+    included (the run's cgroup: ``memory.max`` or v1 ``memory.limit_in_bytes``); past it the
+    kernel's OOM killer kills one of the run's processes. ``None``: no whole-run limit. Without
+    cgroups only ``memory_mb`` per process holds."""
+
+    cpus: float | None = Field(default=2.0, gt=0)
+    """CPU bandwidth of the whole run in cores (the cgroup's CPU quota per 100 ms period); a run
+    that wants more is throttled, not killed. ``None``: no limit."""
+
     max_processes: int = Field(default=64, ge=1)
-    """Processes and threads of the workspace's user at once (``RLIMIT_NPROC``); ``fork`` beyond it
-    fails. Enforced only in isolated mode, where every workspace has its own user id."""
+    """Processes and threads of the run at once (the run's ``pids`` cgroup; ``RLIMIT_NPROC`` of the
+    workspace's user where no pids cgroup is available); ``fork`` beyond it fails. Enforced only
+    in isolated mode."""
 
     max_file_mb: int = Field(default=64, ge=1)
     """Largest file a process may write, in MiB (``RLIMIT_FSIZE``); writing past it kills it (SIGXFSZ)."""
@@ -126,6 +137,18 @@ class SandboxConfig(BaseConfig):
     """Run anyway when isolation is impossible (not root, or no namespaces): commands then run as
     this user with the network, rlimits only and no process-count limit. Only for trusted code;
     a loud warning is logged."""
+
+    workspace_disk_mb: int | None = Field(default=1024, ge=1)
+    """Disk quota of each workspace in MiB: its folder is a tmpfs of this size (in memory, and
+    charged to the runs that write it), shared by ``work/`` and the private ``/tmp``; a write past
+    it fails with ENOSPC. Isolated mode only. ``None``: the workspace lives on ``root_dir``'s disk,
+    limited only by ``max_file_mb`` per file."""
+
+    cgroups: bool = True
+    """Hold each run in a cgroup of its own (v2 where it offers ``memory``, ``pids`` and ``cpu``,
+    else v1) for the whole-run limits ``run_memory_mb``, ``max_processes`` and ``cpus``. Where
+    cgroups are unavailable (or with ``false``) the sandbox says so at start and those limits
+    fall back to rlimits."""
 
     seccomp: bool = True
     """Load a seccomp filter into every sandboxed command (``sandbox/_seccomp.py``): new namespaces

@@ -12,7 +12,8 @@ parent is gone; its children then die with it (below).
 
 Isolated mode, below the server::
 
-    outer                    new session; unshare(mount, net, pid, ipc, uts); fork; wait; exit
+    outer                    new session; join the run's cgroups; unshare(mount, net, pid, ipc,
+                             uts); fork; wait; exit
       └─ init (pid 1)        a new root of only what ``mounts.py`` lists, pivot_root; lo up;
                              fork; reap every child until the command ends; report; exit,
                              which makes the kernel SIGKILL whatever is left in the namespace
@@ -122,6 +123,12 @@ def _outer(libc, fds: list[int], server_pid: int) -> None:
             os.close(fd)
         with os.fdopen(spec_fd, "rb") as f:
             spec = marshal.loads(f.read())
+        for procs in spec.get("cgroup_procs", ()):  # before any fork: the whole run is inside
+            fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, str(os.getpid()).encode())
+            finally:
+                os.close(fd)
     except (OSError, SetupError, ValueError) as e:
         _report(status_fd, "setup_error", f"starting the run: {e}")
         os._exit(1)
