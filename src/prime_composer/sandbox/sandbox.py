@@ -153,9 +153,10 @@ class Sandbox:
             hidden_paths=config.hidden_paths,
             private_tmp_paths=config.private_tmp_paths,
         )
-        self._new_root = self.root_dir / ".root"
-        self._new_root.mkdir(mode=0o700, exist_ok=True)
         self._ids = IdPool(self.root_dir / ".uids", config.uid_base, config.num_uids)
+        # Where a run mounts the tmpfs of its new root: any folder no visible path lies under will
+        # do, as the mount exists only in the run's own mount namespace.
+        self._new_root = self._ids.lock_dir
         self._ids.sweep(self.root_dir)
         self._cgroups = Cgroups(None, missing=dict.fromkeys(CONTROLLERS, "sandbox.cgroups is false"))
         if is_root and config.cgroups:
