@@ -130,8 +130,9 @@ class SandboxConfig(BaseConfig):
 
     root_dir: Path | None = None
     """Folder holding one sub-folder per workspace; ``None`` is ``/var/lib/prime-composer/sandbox``
-    when running as root, else ``<tmp>/prime-composer-sandbox``. It must not lie under
-    ``hidden_paths`` or ``private_tmp_paths`` (those are replaced inside the sandbox)."""
+    when running as root, else ``<tmp>/prime-composer-sandbox``. Inside, only the run's own
+    workspace is visible, at its own path. It must not lie under ``private_tmp_paths`` (those
+    are the workspace's tmp inside)."""
 
     allow_unisolated: bool = False
     """Run anyway when isolation is impossible (not root, or no namespaces): commands then run as

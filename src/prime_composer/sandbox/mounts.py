@@ -8,7 +8,8 @@ applied parents first (sorted by the target's depth):
 - ``ro``: ``source`` bound read-only at ``target`` (the system runtime: ``/usr``, the dynamic
   loader's and the C library's files in ``/etc``, ...; the Python environment and its base
   interpreter; ``exposed_paths``);
-- ``rw``: bound writable (the workspace at its own path; its ``tmp/`` on every private tmp path);
+- ``rw``: bound writable (the workspace's ``work/`` and ``tmp/`` at their own paths; ``tmp/`` also
+  on every private tmp path);
 - ``hide``: an empty read-only tmpfs over a folder inside something bound (``hidden_paths``, e.g.
   a base interpreter's ``site-packages``);
 - ``symlink``: a link recreated at ``target`` pointing to ``source`` (``/bin -> usr/bin``, a uv
@@ -137,7 +138,8 @@ def plan(
 
 
 def for_workspace(shared: Iterable[Mount], work: Path, tmp: Path) -> list[Mount]:
-    """``shared`` plus the workspace (writable at its own path) and its tmp, parents first."""
+    """``shared`` plus the workspace and its tmp (writable, each also at its own path, which is
+    how the host names them to a command), parents first."""
     mounts = [("rw", t, str(tmp)) if kind == "tmp" else (kind, t, s) for kind, t, s in shared]
-    mounts.append(("rw", str(work), str(work)))
+    mounts += [("rw", str(work), str(work)), ("rw", str(tmp), str(tmp))]
     return sorted(mounts, key=lambda m: len(Path(m[1]).parts))
