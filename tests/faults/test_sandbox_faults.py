@@ -104,7 +104,10 @@ def test_a_failed_set_up_raises_sandbox_error(
 
     def broken_spec(*args: Any, **kwargs: Any) -> dict[str, Any]:
         result = spec(*args, **kwargs)
-        result["tmp_source"] = str(workspace.root / "missing")
+        result["mounts"] = [
+            (kind, target, str(workspace.root / "missing") if source == str(workspace.tmp) else source)
+            for kind, target, source in result["mounts"]
+        ]
         return result
 
     monkeypatch.setattr(sandbox, "_spec", broken_spec)

@@ -249,7 +249,7 @@ def test_bytecode_wins_when_a_pyc_is_readable(built: Built, env: FeatureDeletion
 @pytest.mark.slow  # a find / over the whole file system: 185 s on 2 shared, loaded cores
 def test_the_visibility_scan_finds_a_readable_copy(built: Built) -> None:
     project = next(p for p in built.projects if p.spec.name == "textkit")
-    planted = Path("/var/lib/prime-composer") / f"fd-scan-test-{os.getpid()}"
+    planted = Path("/usr/local/share") / f"fd-scan-test-{os.getpid()}"  # visible: under /usr
     planted.mkdir(parents=True)
     try:
         shutil.copy(project.tree(built.store) / "textkit" / "case.py", planted / "case.py")

@@ -1,5 +1,6 @@
 """What a sandboxed command can reach: no network, its own user, only its workspace writable,
-hidden folders hidden, no secrets in its environment, no view of other processes."""
+nothing of the host but the allowlist (no checkout, no answer key), hidden folders hidden, no
+secrets in its environment, no view of other processes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import secrets
 import shutil
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,8 +35,8 @@ def workspace(sandbox: Sandbox) -> Iterator[Workspace]:
         yield workspace
 
 
-def python(sandbox: Sandbox, workspace: Workspace, code: str) -> str:
-    result = sandbox.run(workspace, ["python", "-c", code])
+def python(sandbox: Sandbox, workspace: Workspace, code: str, *args: str) -> str:
+    result = sandbox.run(workspace, ["python", "-c", code, *args])
     assert result.exit_code == 0, result.stderr
     return result.stdout
 
@@ -95,9 +97,10 @@ def test_only_the_workspace_and_its_tmp_are_writable(sandbox: Sandbox, workspace
             "/var/lib/sandbox-probe",
             str(sandbox.root_dir / "sandbox-probe"),
             str(workspace.root / "sandbox-probe"),
-            str(other.path / "sandbox-probe"),
             str(Path(shutil.which("python") or "/usr/bin/python3").parent / "sandbox-probe"),
             f"{sandbox.config.python_env or sys.prefix}/sandbox-probe",
+            str(other.path / "sandbox-probe"),
+            str(other.root / "sandbox-probe"),
         ]
         code = (
             "import json, sys\n"
@@ -118,12 +121,17 @@ def test_only_the_workspace_and_its_tmp_are_writable(sandbox: Sandbox, workspace
         result = sandbox.run(workspace, ["python", "-c", code, json.dumps(targets)])
         assert result.exit_code == 0, result.stderr
         out = json.loads(result.stdout)
-        for target in targets:
+        for target in targets[:-2]:
             assert out[target] in ("Permission denied", "Read-only file system"), target
+        for target in targets[-2:]:  # another workspace is not there at all
+            assert out[target] == "No such file or directory", target
+        for target in targets:
             assert not Path(target).exists()
-        assert out["read other"] == "Permission denied"
+        assert out["read other"] == "No such file or directory"
     # The private tmp folders are the workspace's own tmp/, not the machine's.
-    assert sorted(p.name for p in workspace.tmp.iterdir()) == [f"s{tag}", f"t{tag}", f"v{tag}"]
+    # (Folders there are mount points of a Python environment under /tmp, e.g. a clone's venv.)
+    written = sorted(p.name for p in workspace.tmp.iterdir() if not p.is_dir())
+    assert written == [f"s{tag}", f"t{tag}", f"v{tag}"]
     assert (workspace.path / "work.txt").read_text() == "work.txt"
     for host_path in (f"/tmp/t{tag}", f"/var/tmp/v{tag}", f"/dev/shm/s{tag}"):
         assert not Path(host_path).exists()
@@ -187,3 +195,89 @@ def test_concurrent_workspaces_get_distinct_users(sandbox: Sandbox) -> None:
         for ws in workspaces:
             ws.close()
     assert all(not ws.root.exists() for ws in workspaces)
+
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def test_nothing_of_the_host_but_the_allowlist_is_visible(sandbox: Sandbox, workspace: Workspace) -> None:
+    # Every file the command can find outside the system runtime (/usr and what links into it,
+    # a few files of /etc, device nodes, /proc) belongs to the Python environment or the workspace.
+    code = (
+        "import json, os\n"
+        "found = []\n"
+        "for top in sorted(os.listdir('/')):\n"
+        "    if top in ('proc', 'usr', 'dev') or os.path.islink('/' + top):\n"
+        "        continue\n"
+        "    for folder, dirs, files in os.walk('/' + top):\n"
+        "        found += [os.path.join(folder, f) for f in files]\n"
+        "json.dump({'top': sorted(os.listdir('/')), 'files': found}, open('found.json', 'w'))\n"
+    )
+    python(sandbox, workspace, code)
+    seen = json.loads((workspace.path / "found.json").read_text())
+    allowed = [
+        str(sandbox.config.python_env or sys.prefix),
+        os.path.realpath(sys.prefix),
+        os.path.realpath(sys.base_prefix),
+        str(workspace.root),
+        "/etc/",
+    ]
+    outside = [f for f in seen["files"] if not any(f.startswith(a) for a in allowed)]
+    assert outside == []
+    # Top-level folders of the host that hold no allowed path are not there at all.
+    for top in ("opt", "srv", "mnt", "media", "home", "boot", "run", "sys", "old_root", "farm"):
+        assert top not in seen["top"] or any(a.startswith(f"/{top}/") for a in allowed), top
+    # /var holds only the way to the workspace and the private /var/tmp.
+    var = sandbox.run(workspace, "ls -A /var /var/lib").stdout.split()
+    assert set(var) <= {"/var:", "/var/lib:", "lib", "tmp", *Path(str(sandbox.root_dir)).parts}
+
+
+def test_no_environment_source_or_answer_key_is_readable(sandbox: Sandbox, workspace: Workspace) -> None:
+    answer_key = CHECKOUT / "orchestrator/environments/pyfix/pyfix/taskset.py"
+    assert "buggy" in answer_key.read_text()  # the table of original and buggy expressions
+    secrets_on_host = [
+        answer_key,
+        CHECKOUT / "orchestrator/environments/feature_deletion/feature_deletion/tasks.py",
+        CHECKOUT / "src/prime_composer/sandbox/sandbox.py",  # the test's own checkout
+        CHECKOUT / "pyproject.toml",
+        Path("/work/main/pyproject.toml"),
+    ]
+    code = (
+        "import json, sys\n"
+        "out = {}\n"
+        "for path in sys.argv[1:]:\n"
+        "    try:\n"
+        "        out[path] = open(path).read()[:20]\n"
+        "    except OSError as e:\n"
+        "        out[path] = e.strerror\n"
+        "print(json.dumps(out))\n"
+    )
+    out = json.loads(python(sandbox, workspace, code + "#", *map(str, secrets_on_host)))
+    assert out == {str(p): "No such file or directory" for p in secrets_on_host}
+    # Not through the Python environment's editable install either.
+    result = sandbox.run(workspace, ["python", "-c", "import prime_composer"])
+    assert result.exit_code == 1 and "ModuleNotFoundError" in result.stderr
+
+
+def test_a_python_environment_under_tmp_is_bound_in(tmp_path: Path) -> None:
+    # A fresh clone under /tmp has its venv there; the private /tmp must not cover it.
+    venv = Path("/tmp") / f"sandbox-venv-{secrets.token_hex(4)}" / ".venv"
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True
+        )
+        site = next(venv.glob("lib/python3*/site-packages"))
+        (site / "marker_pkg.py").write_text("VALUE = 'from the venv under /tmp'\n")
+        with Sandbox(SandboxConfig(python_env=venv)) as sandbox, sandbox.workspace() as workspace:
+            result = sandbox.run(
+                workspace,
+                "python -c 'import sys, marker_pkg; print(sys.prefix, marker_pkg.VALUE)'; ls -A /tmp",
+            )
+            assert result.exit_code == 0, result.stderr
+            assert result.stdout.splitlines()[0] == f"{venv} from the venv under /tmp"
+            # /tmp is still the workspace's own: writable, nothing of the machine's /tmp in it.
+            assert result.stdout.splitlines()[1:] == [venv.parent.name]
+            write = sandbox.run(workspace, f"touch /tmp/mine && touch {venv}/x")
+            assert "Read-only file system" in write.stderr and (workspace.tmp / "mine").exists()
+    finally:
+        shutil.rmtree(venv.parent, ignore_errors=True)

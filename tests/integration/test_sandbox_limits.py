@@ -3,7 +3,10 @@ its result names the limit, and nothing of it survives the run."""
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,3 +195,137 @@ def test_stdin_is_fed(sandbox: Sandbox, workspace: Workspace) -> None:
     import hashlib
 
     assert result.stdout.strip() == hashlib.sha256(data).hexdigest()
+
+
+# -- whole-run limits (cgroups) and the workspace's disk quota ---------------------------------
+
+MEMORY_HOG = (
+    "import os, sys, time\n"
+    "children = []\n"
+    "for _ in range(3):\n"
+    "    pid = os.fork()\n"
+    "    if pid == 0:\n"
+    "        block = b'\\x01' * (300 * 2**20)  # resident: every page written\n"
+    "        time.sleep(1.5); os._exit(0)\n"
+    "    children.append(pid)\n"
+    "print(sorted(os.waitpid(pid, 0)[1] for pid in children))\n"
+)
+
+
+def sandbox_cgroup_folders() -> list[Path]:
+    """Every cgroup folder a sandbox of this process made (v1: one per hierarchy; v2: one)."""
+    return [p for p in Path("/sys/fs/cgroup").rglob(f"prime-composer-sandbox-{os.getpid()}-*") if p.is_dir()]
+
+
+def test_the_whole_run_is_held_by_its_memory_limit(sandbox: Sandbox, workspace: Workspace) -> None:
+    assert "memory" in sandbox.cgroup_controllers
+    # Per process, 300 MB is well within memory_mb; the three together pass run_memory_mb.
+    limits = with_limits(memory_mb=1024, run_memory_mb=512, timeout_s=20)
+    result = sandbox.run(workspace, ["python", "-c", MEMORY_HOG], limits=limits)
+    assert "memory" in result.limits_hit, result
+    statuses = json.loads(result.stdout) if result.stdout else []
+    # At least one child was OOM-killed (SIGKILL: wait status 9), or the parent itself was.
+    assert result.signal == "SIGKILL" or 9 in statuses, (result.signal, statuses)
+    assert result.peak_memory_mb is not None and result.peak_memory_mb <= 512 + 1
+    # Under a larger limit the same program runs through: the limit, not the program, stopped it.
+    roomy = sandbox.run(
+        workspace, ["python", "-c", MEMORY_HOG], limits=with_limits(memory_mb=1024, run_memory_mb=1536)
+    )
+    assert roomy.exit_code == 0 and json.loads(roomy.stdout) == [0, 0, 0], roomy.stderr
+    assert roomy.peak_memory_mb is not None and roomy.peak_memory_mb > 900
+
+
+def test_refused_forks_are_counted_even_when_the_command_hides_them(
+    sandbox: Sandbox, workspace: Workspace
+) -> None:
+    assert "pids" in sandbox.cgroup_controllers
+    script = (
+        "import os, time\n"
+        "forked = 0\n"
+        "for _ in range(20):\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(1); os._exit(0)\n"
+        "        forked += 1\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print(forked)\n"
+    )
+    result = sandbox.run(workspace, ["python", "-c", script], limits=with_limits(max_processes=6))
+    assert result.exit_code == 0 and int(result.stdout) == 5  # this python and 5 children
+    assert result.limits_hit == ("processes",)
+
+
+def test_cpu_bandwidth_is_throttled(sandbox: Sandbox, workspace: Workspace) -> None:
+    assert "cpu" in sandbox.cgroup_controllers
+    busy = (
+        "import os, time\n"
+        "pid = os.fork()\n"
+        "end = time.monotonic() + 1.5\n"
+        "while time.monotonic() < end:\n"
+        "    pass\n"
+        "if not pid: os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print(sum(os.times()[:4]))\n"
+    )
+    result = sandbox.run(workspace, ["python", "-c", busy], limits=with_limits(cpus=0.2))
+    assert result.exit_code == 0 and "cpus" in result.limits_hit
+    # Two busy processes for 1.5 s of wall time, held to a fifth of a core.
+    assert float(result.stdout) <= 0.2 * result.duration_s + 0.25
+
+
+def test_the_workspace_disk_quota_covers_work_and_tmp() -> None:
+    config = SandboxConfig(limits=with_limits(max_file_mb=64), workspace_disk_mb=16)
+    with Sandbox(config) as sandbox, sandbox.workspace() as workspace:
+        small = sandbox.run(workspace, "head -c 10000000 /dev/zero > work.bin && echo ok")
+        assert small.stdout == "ok\n"
+        # 10 MB in work/ and 10 more in /tmp pass the 16 MiB the two share.
+        over = sandbox.run(workspace, "head -c 10000000 /dev/zero > /tmp/tmp.bin")
+        assert over.exit_code == 1 and "No space left on device" in over.stderr
+        assert over.limits_hit == ("disk",)
+        python = sandbox.run(workspace, ["python", "-c", "open('more.bin', 'wb').write(bytes(2**23))"])
+        assert python.exit_code == 1 and python.limits_hit == ("disk",)
+        assert (workspace.path / "work.bin").stat().st_size == 10_000_000
+        root = workspace.root
+    assert not root.exists() and str(root) not in Path("/proc/self/mountinfo").read_text()
+
+
+def test_a_source_larger_than_the_quota_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "big.bin").write_bytes(bytes(3 * 2**20))
+    root = Path("/var/lib/prime-composer") / f"test-quota-{secrets.token_hex(4)}"
+    try:
+        with Sandbox(SandboxConfig(root_dir=root, workspace_disk_mb=2)) as sandbox:
+            with pytest.raises(ValueError, match=r"does not fit in sandbox\.workspace_disk_mb = 2 MiB"):
+                sandbox.workspace(tmp_path)
+            assert [p.name for p in root.iterdir() if not p.name.startswith(".")] == []
+        assert str(root) not in Path("/proc/self/mountinfo").read_text()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_no_cgroup_folder_outlives_its_run_or_its_sandbox() -> None:
+    before = set(sandbox_cgroup_folders())  # the module's sandbox
+    with Sandbox(SandboxConfig(limits=LIMITS)) as sandbox, sandbox.workspace() as workspace:
+        parents = sorted(set(sandbox_cgroup_folders()) - before)
+        assert len(parents) == len(sandbox.cgroup_controllers) == 3  # v1 here: one per hierarchy
+        sandbox.run(workspace, "true")
+        sandbox.run(workspace, "sleep 30 & sleep 30", limits=with_limits(timeout_s=0.5))
+        sandbox.run(workspace, "bomb() { bomb | bomb & }; bomb; sleep 5", limits=with_limits(timeout_s=1))
+        assert [list(p.iterdir()) for p in parents] == [
+            [f for f in p.iterdir() if f.is_file()] for p in parents
+        ]  # files of the folder itself only: no run folder left
+    assert set(sandbox_cgroup_folders()) == before
+
+
+def test_without_cgroups_it_says_so_and_rlimits_hold(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING"):
+        sandbox = Sandbox(SandboxConfig(limits=LIMITS, cgroups=False))
+    try:
+        assert sandbox.cgroup_controllers == ()
+        assert "whole-run limits without cgroups for cpu, memory, pids" in caplog.text
+        with sandbox.workspace() as workspace:
+            script = "import os, time\nwhile True:\n    if os.fork() == 0: time.sleep(2); os._exit(0)\n"
+            result = sandbox.run(workspace, ["python", "-c", script], limits=with_limits(max_processes=8))
+            assert "processes" in result.limits_hit and "BlockingIOError" in result.stderr
+    finally:
+        sandbox.close()

@@ -103,7 +103,8 @@ def test_files_the_tools_create_belong_to_the_workspace_user(sandbox: Sandbox, w
 def test_hard_links_to_files_outside_are_refused(sandbox: Sandbox, workspace: Workspace) -> None:
     # A hard link to a file outside the workspace on the same file system, as a sandboxed process
     # could make it where fs.protected_hardlinks is 0; the tools run as root and must not touch it.
-    outside = sandbox.root_dir / f"outside-{workspace.uid}.txt"
+    # (The workspace's folder is its own tmpfs, so the file must lie in it, beside work/.)
+    outside = workspace.root / f"outside-{workspace.uid}.txt"
     outside.write_text("root's file\n")
     try:
         os.link(outside, workspace.path / "link.txt")

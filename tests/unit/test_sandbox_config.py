@@ -16,10 +16,15 @@ def test_defaults_parse() -> None:
     assert "run_tests" in ToolsConfig().enabled
 
 
-@pytest.mark.parametrize("root", ["/tmp/ws", "/root/ws", "/run/x"])
-def test_root_dir_under_a_replaced_folder_is_refused(root: str) -> None:
+@pytest.mark.parametrize("root", ["/tmp/ws", "/var/tmp/ws", "/dev/shm"])
+def test_root_dir_under_a_private_tmp_is_refused(root: str) -> None:
     with pytest.raises(ValidationError, match="replaced inside the sandbox"):
         SandboxConfig(root_dir=Path(root))
+
+
+def test_root_dir_elsewhere_is_accepted() -> None:
+    # The workspace is bound at its own path wherever it lies (nothing else of the host is there).
+    assert SandboxConfig(root_dir=Path("/root/ws")).root_dir == Path("/root/ws")
 
 
 def test_relative_paths_are_refused() -> None:
@@ -27,6 +32,8 @@ def test_relative_paths_are_refused() -> None:
         SandboxConfig(root_dir=Path("ws"))
     with pytest.raises(ValidationError, match="absolute"):
         SandboxConfig(exposed_paths=[Path("venv")])
+    with pytest.raises(ValidationError, match="system_paths"):
+        SandboxConfig(system_paths=[Path("usr")])
 
 
 def test_kill_threshold_below_the_kept_output_is_refused() -> None:

@@ -29,6 +29,49 @@ ALL_TOOLS: tuple[ToolName, ...] = (
 )
 
 
+SYSTEM_PATHS = (
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    *(
+        f"/etc/{name}"
+        for name in (
+            "ld.so.cache",
+            "ld.so.conf",
+            "ld.so.conf.d",
+            "passwd",
+            "group",
+            "nsswitch.conf",
+            "hosts",
+            "host.conf",
+            "localtime",
+            "timezone",
+            "ssl",
+            "ca-certificates",
+            "alternatives",
+            "mime.types",
+            "os-release",
+            "debian_version",
+            "bash.bashrc",
+            "profile",
+            "inputrc",
+            "locale.alias",
+            "magic",
+            "protocols",
+            "services",
+            "shells",
+            "terminfo",
+        )
+    ),
+)
+"""The default ``SandboxConfig.system_paths``: programs, libraries and the few files of ``/etc``
+the C library, shells and Python read (no package-manager or tool configs, which may hold tokens)."""
+
+
 class LimitsConfig(BaseConfig):
     """Limits of one sandboxed run; a run that hits one is stopped or fails, and its result says which."""
 
@@ -43,9 +86,20 @@ class LimitsConfig(BaseConfig):
     reserved, not resident, memory: programs that map large regions up front (CUDA libraries,
     JAX) need more than they use."""
 
+    run_memory_mb: int | None = Field(default=4096, ge=16)
+    """Memory of the whole run in MiB: every process of it together, page cache and tmpfs files
+    included (the run's cgroup: ``memory.max`` or v1 ``memory.limit_in_bytes``); past it the
+    kernel's OOM killer kills one of the run's processes. ``None``: no whole-run limit. Without
+    cgroups only ``memory_mb`` per process holds."""
+
+    cpus: float | None = Field(default=2.0, gt=0)
+    """CPU bandwidth of the whole run in cores (the cgroup's CPU quota per 100 ms period); a run
+    that wants more is throttled, not killed. ``None``: no limit."""
+
     max_processes: int = Field(default=64, ge=1)
-    """Processes and threads of the workspace's user at once (``RLIMIT_NPROC``); ``fork`` beyond it
-    fails. Enforced only in isolated mode, where every workspace has its own user id."""
+    """Processes and threads of the run at once (the run's ``pids`` cgroup; ``RLIMIT_NPROC`` of the
+    workspace's user where no pids cgroup is available); ``fork`` beyond it fails. Enforced only
+    in isolated mode."""
 
     max_file_mb: int = Field(default=64, ge=1)
     """Largest file a process may write, in MiB (``RLIMIT_FSIZE``); writing past it kills it (SIGXFSZ)."""
@@ -76,13 +130,35 @@ class SandboxConfig(BaseConfig):
 
     root_dir: Path | None = None
     """Folder holding one sub-folder per workspace; ``None`` is ``/var/lib/prime-composer/sandbox``
-    when running as root, else ``<tmp>/prime-composer-sandbox``. It must not lie under
-    ``hidden_paths`` or ``private_tmp_paths`` (those are replaced inside the sandbox)."""
+    when running as root, else ``<tmp>/prime-composer-sandbox``. Inside, only the run's own
+    workspace is visible, at its own path. It must not lie under ``private_tmp_paths`` (those
+    are the workspace's tmp inside)."""
 
     allow_unisolated: bool = False
     """Run anyway when isolation is impossible (not root, or no namespaces): commands then run as
     this user with the network, rlimits only and no process-count limit. Only for trusted code;
     a loud warning is logged."""
+
+    workspace_disk_mb: int | None = Field(default=1024, ge=1)
+    """Disk quota of each workspace in MiB: its folder is a tmpfs of this size (in memory, and
+    charged to the runs that write it), shared by ``work/`` and the private ``/tmp``; a write past
+    it fails with ENOSPC. Isolated mode only. ``None``: the workspace lives on ``root_dir``'s disk,
+    limited only by ``max_file_mb`` per file."""
+
+    cgroups: bool = True
+    """Hold each run in a cgroup of its own (v2 where it offers ``memory``, ``pids`` and ``cpu``,
+    else v1) for the whole-run limits ``run_memory_mb``, ``max_processes`` and ``cpus``. Where
+    cgroups are unavailable (or with ``false``) the sandbox says so at start and those limits
+    fall back to rlimits."""
+
+    seccomp: bool = True
+    """Load a seccomp filter into every sandboxed command (``sandbox/_seccomp.py``): new namespaces
+    (``unshare``, ``clone`` with namespace flags, ``setns``), mounts, ``ptrace``, ``bpf``,
+    ``keyctl``, ``io_uring``, ... fail with EPERM. Needs ``seccomp_library``; without it the
+    sandbox refuses to start. ``false`` runs without the filter (a loud warning is logged)."""
+
+    seccomp_library: str = "libseccomp.so.2"
+    """The libseccomp shared library (a soname the dynamic loader finds, or a path)."""
 
     loopback: bool = True
     """Bring up the loopback interface inside the sandbox's empty network namespace, so tests can
@@ -95,21 +171,26 @@ class SandboxConfig(BaseConfig):
     num_uids: int = Field(default=4096, ge=1)
     """Size of the user id range, i.e. the most workspaces alive at once on this machine."""
 
-    hidden_paths: list[Path] = Field(default_factory=lambda: [Path("/root"), Path("/home"), Path("/run")])
-    """Folders replaced by an empty read-only folder inside the sandbox (home folders, sockets of
-    local services). Paths that do not exist are skipped. A folder inside an exposed one (such as
-    the base interpreter's ``site-packages``, exposed with the Python environment) is covered after
-    the exposed folder is bound back."""
+    system_paths: list[Path] = Field(default_factory=lambda: [Path(p) for p in SYSTEM_PATHS])
+    """The system's runtime, visible read-only inside (paths that do not exist are skipped). The
+    sandbox shows only these, the Python environment, ``exposed_paths`` and the workspace: project
+    checkouts, caches, ``/opt``, ``/srv``, ``/var``, home folders and every other folder of the
+    host are absent."""
+
+    hidden_paths: list[Path] = Field(default_factory=list)
+    """Folders inside what is visible (``system_paths``, the Python environment, ``exposed_paths``)
+    covered by an empty read-only folder, e.g. a copy of a project under ``/usr/lib``. The Python
+    environment itself stays visible even under a hidden folder."""
 
     exposed_paths: list[Path] = Field(default_factory=list)
-    """Folders under ``hidden_paths`` made visible again, read-only, at the same path. The Python
-    environment (``python_env`` and its base interpreter) is always added."""
+    """More folders visible read-only inside, at the same path. The Python environment
+    (``python_env`` and its base interpreter) is always visible."""
 
     private_tmp_paths: list[Path] = Field(
         default_factory=lambda: [Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")]
     )
-    """World-writable folders replaced by the workspace's own temporary folder, so nothing outside
-    the workspace is writable and episodes cannot see each other's files."""
+    """Temporary folders that are the workspace's own ``tmp/`` inside, so episodes cannot see each
+    other's files. A Python environment under one of them (a venv under ``/tmp``) is bound over it."""
 
     python_env: Path | None = None
     """Python environment (a venv or an installation prefix) whose ``bin`` comes first on ``PATH``
@@ -138,14 +219,13 @@ class SandboxConfig(BaseConfig):
             root = Path(self.root_dir)
             if not root.is_absolute():
                 raise ValueError(f"root_dir must be an absolute path, got {str(root)!r}")
-            for field in ("hidden_paths", "private_tmp_paths"):
-                for covered in getattr(self, field):
-                    if root == covered or covered in root.parents:
-                        raise ValueError(
-                            f"root_dir {str(root)!r} lies under {field} entry {str(covered)!r}, which is "
-                            "replaced inside the sandbox; choose a root_dir elsewhere"
-                        )
-        for field in ("hidden_paths", "exposed_paths", "private_tmp_paths"):
+            for covered in self.private_tmp_paths:
+                if root == covered or covered in root.parents:
+                    raise ValueError(
+                        f"root_dir {str(root)!r} lies under private_tmp_paths entry {str(covered)!r}, "
+                        "which is replaced inside the sandbox; choose a root_dir elsewhere"
+                    )
+        for field in ("system_paths", "hidden_paths", "exposed_paths", "private_tmp_paths"):
             for path in getattr(self, field):
                 if not Path(path).is_absolute():
                     raise ValueError(f"{field} entries must be absolute paths, got {str(path)!r}")

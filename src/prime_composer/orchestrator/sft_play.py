@@ -8,8 +8,9 @@ the conversation as the agent harness would have built it: the task's prompt, th
 the tool messages it got, as an SFT record ``{"messages": [...], "tools": [...]}`` (``tools``: the
 definitions the harness renders with the chat template, when ``render_tools`` is on).
 
-A reference whose calls fail (a tool error or a failing ``run`` command), or that leaves the
-conversation expecting more, is a bug in the environment and raises ``ValueError``.
+A reference whose calls fail (a tool error or a failing ``run`` command), whose last test run
+fails (a broken sandbox: ``python: command not found``), or that leaves the conversation
+expecting more, is a bug in the environment and raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ async def play_reference(
     parser = get_parser(config.tool_call_format)
     messages = task_messages(task)
     tools_config = config.tools.model_copy(update={"enabled": list(task.tools)})
+    last_tests = None
     with sandbox.workspace(source_dir(task.files)) as workspace:
         tools = Toolset(sandbox, workspace, tools_config, test_command=task.test_command)
         for k, reply in enumerate(replies):
@@ -61,6 +63,7 @@ async def play_reference(
             if acted.malformed or bad:
                 problem = acted.malformed[0] if acted.malformed else bad[0].content
                 raise ValueError(f"task {task.id or task.idx}: reference reply {k} fails: {problem[:300]}")
+            last_tests = next((r for r in reversed(acted.results) if r.name == "run_tests"), last_tests)
             if acted.done != (k == len(replies) - 1):
                 raise ValueError(
                     f"task {task.id or task.idx}: reference reply {k} "
@@ -71,4 +74,8 @@ async def play_reference(
                     )
                 )
         definitions = tools.definitions()
+    if last_tests is not None and last_tests.nonzero_exit:
+        raise ValueError(
+            f"task {task.id or task.idx}: the reference's last test run fails: {last_tests.content[:300]}"
+        )
     return {"messages": messages, **({"tools": definitions} if config.render_tools else {})}

@@ -12,22 +12,34 @@ Use::
 How a run is isolated (isolated mode: running as root on Linux; measured on the development
 machines, kernel 6.18, cgroup v1, no container engine):
 
+- **Deny by default** (``mounts.py``): each run's init builds a new root on an empty tmpfs and
+  ``pivot_root``s into it, so only an allowlist exists inside: the system runtime
+  (``system_paths``: ``/usr``, ``/bin``, ``/lib*``, a few files of ``/etc``), the Python
+  environment and its base interpreter (read-only), ``exposed_paths``, a few device nodes, a
+  fresh ``/proc``, the workspace at its own path and its ``tmp/`` on ``/tmp``, ``/var/tmp`` and
+  ``/dev/shm``. Project checkouts, environment sources and answer keys, caches, ``/opt``,
+  ``/srv``, ``/var``, home folders and other workspaces are not there at all. ``hidden_paths``
+  covers folders inside the allowlist. A Python environment under a private tmp (a venv under
+  ``/tmp``) or a hidden folder is bound over it, so ``python`` is always there.
 - **No network**: a new network namespace per run, with only a loopback interface (brought up
   so a test can talk to itself; ``loopback = false`` leaves it down). New mount, pid, IPC and UTS
   namespaces come with it.
 - **An unprivileged user per workspace**: commands run as a uid of their own
   (``uid_base + k``, held by a lock file for the workspace's life), no groups, ``no_new_privs``
-  (setuid binaries do not elevate). Root would ignore ``RLIMIT_NPROC`` and every file
-  permission; a uid per workspace is what makes the process limit per episode, and what keeps
-  concurrent episodes out of each other's folders (0700).
-- **Only the workspace writable**: as that uid, nothing outside the workspace is writable except
-  world-writable folders, and those (``/tmp``, ``/var/tmp``, ``/dev/shm``) are bind-mounted to the
-  workspace's own ``tmp/``. ``/root``, ``/home`` and ``/run`` are covered by empty read-only
-  folders (home folders, service sockets); the Python environment under them is bound back
-  read-only. The rest of the file system stays readable as file permissions allow.
-- **Limits**: ``RLIMIT_CPU``, ``RLIMIT_AS`` (memory), ``RLIMIT_NPROC`` (processes and threads of
-  the uid), ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, no core dumps, a wall-clock timeout, and a cap
-  on output bytes (kept and killed-at, ``LimitsConfig``).
+  (setuid binaries do not elevate). Root would ignore every file permission; a uid per workspace
+  keeps concurrent episodes out of each other's folders (0700).
+- **No new namespaces** (``_seccomp.py``): a seccomp filter, through the system's
+  ``libseccomp.so.2``, refuses ``unshare``/``clone`` with namespace flags, ``setns``, mounts,
+  ``ptrace``, ``bpf``, ``keyctl``, ``io_uring``, ... (EPERM). Without libseccomp the sandbox
+  refuses to start unless ``seccomp = false``.
+- **Whole-run limits** (``cgroups.py``): each run is a cgroup of its own (v2 where it offers the
+  controllers, else v1): ``run_memory_mb`` for all its processes together (OOM kill past it),
+  ``max_processes`` (pids) and ``cpus`` (CPU bandwidth); its folders are removed after the run.
+  Each workspace is a tmpfs of ``workspace_disk_mb`` (work and tmp together). Per process:
+  ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, no core dumps; plus a
+  wall-clock timeout and a cap on output bytes (kept and killed-at, ``LimitsConfig``). Where
+  cgroups are unavailable the sandbox says so at start and falls back to rlimits
+  (``RLIMIT_NPROC`` per workspace uid; memory only per process).
 - **No orphans**: the command's tree lives in its own pid namespace, whose init exits when the
   command does; the kernel then kills everything left (a ``sleep`` grandchild, a daemon, a fork
   bomb). On timeout the run's process group is SIGKILLed, and every sandbox process asks for
@@ -37,20 +49,19 @@ machines, kernel 6.18, cgroup v1, no container engine):
   one BLAS/OpenMP thread, ...) plus ``extra_env``; nothing is inherited, so API keys never reach sandboxed code, and the
   pid namespace hides other processes' ``/proc/<pid>/environ``.
 
-Why this and not the alternatives: there is no container engine here; cgroup v2 controllers are
-not available (v1 hierarchy, and the memory cgroup is the machine's own), so limits are rlimits
-(``RLIMIT_AS`` counts address space, not resident memory: a program that maps much more than it
-touches needs a larger ``memory_mb``); a user namespace alone would still leave root's files
-writable and ``RLIMIT_NPROC`` unenforced. Runs start from a fork server (``_init.py``, stdlib only,
-started once per ``Sandbox``), so a call costs a few forks, not an interpreter start-up (~15 ms);
-``bench/agentic.py`` measures the overhead against the bare command.
+Why this and not the alternatives: there is no container engine here; a user namespace alone
+would still leave root's files writable. ``RLIMIT_AS`` counts address space, not resident
+memory (a program that maps much more than it touches needs a larger ``memory_mb``); the
+cgroup's ``run_memory_mb`` is what bounds resident memory. Runs start from a fork server
+(``_init.py``, stdlib only, started once per ``Sandbox``), so a call costs a few forks, not an
+interpreter start-up (~15 ms); ``bench/agentic.py`` measures the overhead against the bare command.
 
 Python in the sandbox: ``python`` on ``PATH`` is the project's environment (``sys.prefix``, or
 ``SandboxConfig.python_env``), so ``python -m pytest`` works with the project's pytest. The
 environment is read-only inside, so Python cannot write bytecode caches there: a venv made with
 ``uv sync --compile-bytecode`` starts much faster in the sandbox.
 
-Fallback: when isolation is impossible (not root, or namespaces refused), ``Sandbox()`` raises
+Fallback: when isolation is impossible (not root, namespaces refused, no libseccomp), ``Sandbox()`` raises
 ``IsolationUnavailable`` unless ``allow_unisolated = true``; then it logs a loud warning and runs
 commands as this process's user with rlimits (no process-count limit), the timeout, the scrubbed
 environment and the workspace as cwd, but with the network, without uid separation, and without

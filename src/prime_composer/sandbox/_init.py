@@ -1,6 +1,6 @@
 """The sandbox's fork server: starts each run's process tree (stdlib only, no package imports).
 
-``Sandbox`` starts this script once, as ``python -I -S _init.py SOCK_FD`` (as root in isolated
+``Sandbox`` starts this script once, as ``python -I -S _init.py SOCK_FD [SECCOMP_LIBRARY]`` (as root in isolated
 mode), and keeps it for its lifetime: a fork server, so a run costs a ``fork`` of this small,
 already warm process instead of a new interpreter (~15 ms) per call. One request on the
 ``SOCK_SEQPACKET`` socket carries five file descriptors: a memfd holding the run's spec (a
@@ -12,12 +12,15 @@ parent is gone; its children then die with it (below).
 
 Isolated mode, below the server::
 
-    outer                    new session; unshare(mount, net, pid, ipc, uts); fork; wait; exit
-      └─ init (pid 1)        mounts (hidden paths, exposed paths, private tmp, /proc), lo up;
+    outer                    new session; join the run's cgroups; unshare(mount, net, pid, ipc,
+                             uts); fork; wait; exit
+      └─ init (pid 1)        a new root of only what ``mounts.py`` lists, pivot_root; lo up;
                              fork; reap every child until the command ends; report; exit,
                              which makes the kernel SIGKILL whatever is left in the namespace
            └─ command        rlimits, drop to the workspace's uid (no groups, no_new_privs),
-                             umask, chdir, exec with the spec's environment
+                             umask, chdir, the seccomp filter (``_seccomp.py``: no new
+                             namespaces, no mount, ptrace, bpf, ...), exec with the spec's
+                             environment
 
 ``outer`` and ``init`` ask for SIGKILL when their parent dies, so the death of the server or of
 ``outer`` tears the whole namespace down.
@@ -48,6 +51,8 @@ MS_REMOUNT = 32
 MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
+MNT_DETACH = 2
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
@@ -57,11 +62,24 @@ class SetupError(Exception):
     pass
 
 
+_filter = None
+_filter_error = "the fork server was started without a seccomp library"
+
+
 def main() -> None:
+    global _filter, _filter_error
     import socket
 
     libc = _libc()
     server = socket.socket(fileno=int(sys.argv[1]))
+    if len(sys.argv) > 2:  # build the filter once; every command loads it
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        try:
+            import _seccomp
+
+            _filter = _seccomp.Filter(sys.argv[2])
+        except OSError as e:
+            _filter_error = f"cannot use {sys.argv[2]}: {e}"
     server_pid = os.getpid()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps finished runs
     while True:
@@ -105,6 +123,12 @@ def _outer(libc, fds: list[int], server_pid: int) -> None:
             os.close(fd)
         with os.fdopen(spec_fd, "rb") as f:
             spec = marshal.loads(f.read())
+        for procs in spec.get("cgroup_procs", ()):  # before any fork: the whole run is inside
+            fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, str(os.getpid()).encode())
+            finally:
+                os.close(fd)
     except (OSError, SetupError, ValueError) as e:
         _report(status_fd, "setup_error", f"starting the run: {e}")
         os._exit(1)
@@ -156,25 +180,39 @@ def _ns_init(libc, spec: dict, status_fd: int, alive_r: int) -> None:
 
 
 def _setup_mounts(libc, spec: dict) -> None:
+    """Build the run's root from ``spec["mounts"]`` (see ``mounts.py``) on a tmpfs and pivot into it."""
+    new = spec["new_root"]
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
-    # Exposed folders are opened before the folders above them are covered, then bound back
-    # through /proc/self/fd (the host's /proc is still mounted at this point).
-    exposed = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)) for path in spec["expose"]]
-    for hidden in spec["hide"]:
-        _mount(libc, "tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
-    for path, fd in exposed:
-        os.makedirs(path, exist_ok=True)
-        _mount(libc, f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-        _mount(libc, None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-        os.close(fd)
-    # Hidden folders inside an exposed one (a base interpreter's site-packages) exist only now.
-    for hidden in spec.get("hide_inside", ()):
-        _mount(libc, "tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
-    for hidden in [*spec["hide"], *spec.get("hide_inside", ())]:
-        _mount(libc, None, hidden, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    for target in spec["tmp_targets"]:
-        _mount(libc, spec["tmp_source"], target, None, MS_BIND)
-    _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _mount(libc, "tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    tmpfs = [new]  # remounted read-only once everything is mounted in them
+    for kind, target, source in spec["mounts"]:
+        dest = new + target
+        if kind == "symlink":
+            if not os.path.lexists(dest):
+                os.makedirs(os.path.dirname(dest), exist_ok=True)
+                os.symlink(source, dest)
+        elif kind == "proc":
+            os.makedirs(dest, exist_ok=True)
+            _mount(libc, "proc", dest, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        elif kind == "hide":
+            _mount(libc, "tmpfs", dest, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
+            tmpfs.append(dest)
+        else:  # ro, rw, dev: a bind mount
+            if os.path.isdir(source):
+                os.makedirs(dest, exist_ok=True)
+            elif not os.path.lexists(dest):
+                os.makedirs(os.path.dirname(dest), exist_ok=True)
+                os.close(os.open(dest, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+            _mount(libc, source, dest, None, MS_BIND | MS_REC)
+            flags = MS_REMOUNT | MS_BIND | MS_NOSUID
+            flags |= MS_RDONLY | MS_NODEV if kind == "ro" else MS_NODEV if kind == "rw" else 0
+            _mount(libc, None, dest, None, flags)
+    for dest in reversed(tmpfs):
+        _mount(libc, None, dest, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.chdir(new)
+    _check(libc.syscall(SYS_PIVOT_ROOT[os.uname().machine], b".", b"."), "pivot_root")
+    _check(libc.umount2(b".", MNT_DETACH), "umount the host's root")
+    os.chdir("/")
 
 
 def _start_command(libc, spec: dict, status_fd: int) -> int:
@@ -199,6 +237,10 @@ def _start_command(libc, spec: dict, status_fd: int) -> int:
         for sig in (signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL)
         os.chdir(spec["cwd"])
+        if spec.get("seccomp"):
+            if _filter is None:
+                raise SetupError(f"seccomp: {_filter_error}")
+            _filter.load()  # the last step before exec: nothing below may need what it refuses
     except Exception as e:
         _report(status_fd, "setup_error", f"preparing the command: {e}")
         os._exit(126)
@@ -241,6 +283,7 @@ def _libc():
     libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_char_p]
     libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
     return libc
 
 

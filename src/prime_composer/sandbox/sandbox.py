@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from prime_composer.config.sandbox import LimitsConfig, SandboxConfig
+from prime_composer.sandbox import mounts
+from prime_composer.sandbox.cgroups import CONTROLLERS, Cgroups, RunLimits, RunUsage
 from prime_composer.sandbox.output import Capture
 from prime_composer.sandbox.spawn import Spawner, SpawnError, watch
 from prime_composer.sandbox.workspace import IdPool, Workspace
@@ -41,6 +43,7 @@ _LIMIT_MESSAGES: dict[str, tuple[str, ...]] = {
     "processes": ("Resource temporarily unavailable", "BlockingIOError"),
     "open_files": ("Too many open files",),
     "file_size": ("File too large", "File size limit exceeded"),
+    "disk": ("No space left on device", "Disk quota exceeded"),
 }
 
 
@@ -70,13 +73,18 @@ class RunResult:
     """Which limit ended the run: ``timeout``, ``output``, ``cpu`` or ``file_size``; ``None`` if none did."""
     limits_hit: tuple[str, ...] = ()
     """Every limit the run ran into: the above plus ``output`` (output was cut), ``memory``,
-    ``processes`` and ``open_files`` (read from the error text the command printed)."""
+    ``processes``, ``open_files`` and ``disk`` (read from the error text the command printed, and,
+    for ``memory`` (an OOM kill), ``processes`` (a refused fork) and ``cpus`` (throttled), from the
+    run's cgroup)."""
     stdout_bytes: int = 0
     """Bytes written to stdout in all (the string may hold fewer)."""
     stderr_bytes: int = 0
     cpu_s: float | None = None
     """CPU seconds of the command and the children it waited for."""
     max_rss_kb: int | None = None
+    """Peak resident memory of the largest process (``getrusage``)."""
+    peak_memory_mb: float | None = None
+    """Peak memory of the whole run (its cgroup's, page cache included); ``None`` without cgroups."""
     isolated: bool = True
     """Whether the run was isolated (False only under ``allow_unisolated``)."""
 
@@ -131,13 +139,39 @@ class Sandbox:
         self.root_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         self.root_dir = self.root_dir.resolve()
         self._python_env = Path(config.python_env or sys.prefix)
-        self._hide, self._expose, self._hide_inside, self._tmp_targets = self._mount_plan(
-            check_root_dir=is_root
+        if not (self._python_env / "bin").is_dir():
+            raise ValueError(
+                f"sandbox.python_env: {str(self._python_env)!r} has no bin/ folder; "
+                "point it at a venv or an installation prefix"
+            )
+        if is_root:  # unisolated, nothing is replaced
+            self._check_root_dir()
+        self._mounts = mounts.plan(
+            system_paths=config.system_paths,
+            python_env=self._python_env,
+            exposed_paths=config.exposed_paths,
+            hidden_paths=config.hidden_paths,
+            private_tmp_paths=config.private_tmp_paths,
         )
         self._ids = IdPool(self.root_dir / ".uids", config.uid_base, config.num_uids)
+        # Where a run mounts the tmpfs of its new root: any folder no visible path lies under will
+        # do, as the mount exists only in the run's own mount namespace.
+        self._new_root = self._ids.lock_dir
         self._ids.sweep(self.root_dir)
+        self._cgroups = Cgroups(None, missing=dict.fromkeys(CONTROLLERS, "sandbox.cgroups is false"))
+        if is_root and config.cgroups:
+            self._cgroups = Cgroups.detect()
+            self._cgroups.sweep()
+        if is_root and self._cgroups.missing:
+            logger.warning(
+                "sandbox: whole-run limits without cgroups for %s (%s); those limits fall back to "
+                "rlimits: memory per process (RLIMIT_AS), processes per workspace user (RLIMIT_NPROC), "
+                "CPU time per process (RLIMIT_CPU)",
+                ", ".join(sorted(self._cgroups.missing)),
+                "; ".join(sorted(set(self._cgroups.missing.values()))),
+            )
         self._executor = ThreadPoolExecutor(config.max_concurrent_runs, thread_name_prefix="sandbox")
-        self._spawner = Spawner()
+        self._spawner = Spawner(config.seccomp_library if config.seccomp and is_root else None)
         self.isolated = False
         reason: str | None = "not running as root (uid separation and namespaces need it)"
         if is_root:
@@ -148,7 +182,8 @@ class Sandbox:
                 self.close()
                 raise IsolationUnavailable(
                     f"sandbox: cannot isolate commands here: {reason}. Run as root on Linux with "
-                    "namespaces available (unshare), or set sandbox.allow_unisolated = true to run "
+                    "namespaces available (unshare) and libseccomp.so.2 installed (or set "
+                    "sandbox.seccomp = false), or set sandbox.allow_unisolated = true to run "
                     "commands without isolation (trusted code only)."
                 )
             logger.warning(
@@ -161,12 +196,22 @@ class Sandbox:
                 os.geteuid(),
             )
 
+        if self.isolated and not config.seccomp:
+            logger.warning(
+                "!!! SANDBOX WITHOUT SECCOMP: sandbox.seccomp is false, so sandboxed commands may "
+                "create user namespaces, call ptrace, bpf, keyctl, io_uring, ... !!!"
+            )
+
     # -- workspaces -----------------------------------------------------------------------
 
     def workspace(self, source: Path | str | None = None) -> Workspace:
         """A fresh workspace holding a copy of ``source`` (a folder), or an empty one."""
         return Workspace.create(
-            self.root_dir, None if source is None else Path(source), self._ids, own_uid=self.isolated
+            self.root_dir,
+            None if source is None else Path(source),
+            self._ids,
+            own_uid=self.isolated,
+            disk_mb=self.config.workspace_disk_mb if self.isolated else None,
         )
 
     # -- running --------------------------------------------------------------------------
@@ -217,6 +262,12 @@ class Sandbox:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
         self._spawner.close()
+        self._cgroups.close()
+
+    @property
+    def cgroup_controllers(self) -> tuple[str, ...]:
+        """Controllers whose whole-run limits apply (``memory``, ``pids``, ``cpu``); the rest are rlimits."""
+        return tuple(sorted(self._cgroups.parents))
 
     def __enter__(self) -> Sandbox:
         return self
@@ -264,7 +315,9 @@ class Sandbox:
             (resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files)),
             (resource.RLIMIT_CORE, (0, 0)),
         ]
-        if isolate:  # per-uid; unisolated, the uid is this process's own and shared with its processes
+        # Per uid; unisolated, the uid is this process's own and shared with its processes. The
+        # pids cgroup replaces it (both refuse the same fork; the cgroup's refusal is counted).
+        if isolate and "pids" not in self._cgroups.parents:
             rlimits.append((resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes)))
         return {
             "argv": argv,
@@ -275,30 +328,38 @@ class Sandbox:
             "gid": workspace.uid if isolate else None,
             "rlimits": rlimits,
             "umask": 0o022,
-            "hide": self._hide,
-            "hide_inside": self._hide_inside,
-            "expose": self._expose,
-            "tmp_source": str(workspace.tmp),
-            "tmp_targets": self._tmp_targets,
+            "new_root": str(self._new_root),
+            "mounts": mounts.for_workspace(self._mounts, workspace.path, workspace.tmp),
             "loopback": self.config.loopback,
+            "seccomp": isolate and self.config.seccomp,
         }
 
     def _execute(self, spec: dict[str, Any], limits: LimitsConfig, stdin: bytes | None) -> RunResult:
         start = time.monotonic()
-        try:
-            pgid, pipes = self._spawner.spawn(spec, stdin=bool(stdin))
-        except (SpawnError, OSError) as e:
-            raise SandboxError(f"sandbox: {e}") from e
+        cgroup = None
+        if spec["isolate"] and self._cgroups.available:
+            try:
+                cgroup = self._cgroups.create(_run_limits(limits))
+            except OSError as e:
+                raise SandboxError(f"sandbox: cannot create the run's cgroup: {e}") from e
+            spec = {**spec, "cgroup_procs": cgroup.procs_files}
         stdout, stderr = Capture(limits.max_output_bytes), Capture(limits.max_output_bytes)
-        status_lines, killed_by = watch(
-            pgid,
-            pipes,
-            stdin,
-            stdout,
-            stderr,
-            deadline=start + limits.timeout_s,
-            kill_output_bytes=limits.kill_output_bytes,
-        )
+        try:
+            try:
+                pgid, pipes = self._spawner.spawn(spec, stdin=bool(stdin))
+            except (SpawnError, OSError) as e:
+                raise SandboxError(f"sandbox: {e}") from e
+            status_lines, killed_by = watch(
+                pgid,
+                pipes,
+                stdin,
+                stdout,
+                stderr,
+                deadline=start + limits.timeout_s,
+                kill_output_bytes=limits.kill_output_bytes,
+            )
+        finally:
+            usage = cgroup.finish() if cgroup is not None else None
         duration = time.monotonic() - start
         status = _Status()
         status.parse(status_lines)
@@ -308,7 +369,7 @@ class Sandbox:
             raise SandboxError("sandbox: the run ended without reporting how the command ended")
         if status.exec_error is not None:
             stderr.feed(f"sandbox: cannot execute {status.exec_error}\n".encode())
-        return _result(status, stdout, stderr, killed_by, limits, duration, isolated=spec["isolate"])
+        return _result(status, stdout, stderr, killed_by, limits, duration, usage, isolated=spec["isolate"])
 
     def _probe(self) -> str | None:
         """``None`` if an isolated run works here, else why not."""
@@ -324,39 +385,15 @@ class Sandbox:
             return f"a probe run of /bin/true ended with {result.exit_code or result.signal}: {result.stderr}"
         return None
 
-    def _mount_plan(self, *, check_root_dir: bool) -> tuple[list[str], list[str], list[str], list[str]]:
-        """Which folders to cover, to re-expose under them, to cover inside what was re-exposed
-        (e.g. a base interpreter's site-packages), and to replace with the workspace's tmp."""
-        hide = sorted(
-            {os.path.realpath(p) for p in self.config.hidden_paths if os.path.isdir(p)},
-        )
-        wanted = [*self.config.exposed_paths, *_python_dirs(self._python_env)]
-        for path in self.config.exposed_paths:
-            if not Path(path).is_dir():
-                raise ValueError(f"sandbox.exposed_paths: {str(path)!r} is not a folder")
-        expose = sorted(
-            {
-                real
-                for real in (os.path.realpath(p) for p in wanted)
-                if any(real != h and real.startswith(h + "/") for h in hide)
-            }
-        )
-        hide_inside = [h for h in hide if any(h != e and h.startswith(e + "/") for e in expose)]
-        # A folder under another hidden one (and not re-exposed) is hidden already.
-        hide = [h for h in hide if h not in hide_inside and not any(h.startswith(o + "/") for o in hide)]
-        tmp_targets = [
-            real
-            for real in dict.fromkeys(os.path.realpath(p) for p in self.config.private_tmp_paths)
-            if os.path.isdir(real) and not any(real == h or real.startswith(h + "/") for h in hide)
-        ]
+    def _check_root_dir(self) -> None:
         root = str(self.root_dir)
-        for covered in [*hide, *hide_inside, *tmp_targets] if check_root_dir else []:
-            if root == covered or root.startswith(covered + "/"):
+        for covered in self.config.private_tmp_paths:
+            real = os.path.realpath(covered)
+            if root == real or root.startswith(real + "/"):
                 raise ValueError(
-                    f"sandbox.root_dir {root!r} lies under {covered!r}, which is replaced inside the "
-                    "sandbox; choose a root_dir elsewhere"
+                    f"sandbox.root_dir {root!r} lies under {real!r}, which is replaced inside the "
+                    "sandbox by the workspace's own tmp; choose a root_dir elsewhere"
                 )
-        return hide, expose, hide_inside, tmp_targets
 
 
 def _result(
@@ -366,6 +403,7 @@ def _result(
     killed_by: str | None,
     limits: LimitsConfig,
     duration: float,
+    usage: RunUsage | None,
     *,
     isolated: bool,
 ) -> RunResult:
@@ -381,6 +419,14 @@ def _result(
     if (stdout.truncated or stderr.truncated) and "output" not in hit:
         hit.append("output")
     error_text = stderr.text()
+    if usage is not None:  # what the cgroup counted, whether or not the command said so
+        for name, count in (
+            ("memory", usage.oom_kills),
+            ("processes", usage.refused_forks),
+            ("cpus", usage.throttled_periods),
+        ):
+            if count and name not in hit:
+                hit.append(name)
     if status.exit_code != 0:
         for name, messages in _LIMIT_MESSAGES.items():
             if name not in hit and any(m in error_text for m in messages):
@@ -398,19 +444,20 @@ def _result(
         stderr_bytes=stderr.num_bytes,
         cpu_s=status.cpu_s,
         max_rss_kb=status.max_rss_kb,
+        peak_memory_mb=None
+        if usage is None or usage.peak_memory_bytes is None
+        else usage.peak_memory_bytes / 2**20,
         isolated=isolated,
     )
 
 
-def _python_dirs(env: Path) -> list[Path]:
-    """The environment's folder and its base interpreter's installation prefix."""
-    dirs = [env]
-    for name in ("python3", "python"):
-        interpreter = env / "bin" / name
-        if interpreter.exists():
-            dirs.append(Path(os.path.realpath(interpreter)).parent.parent)
-            break
-    return dirs
+def _run_limits(limits: LimitsConfig) -> RunLimits:
+    return RunLimits(
+        memory_bytes=None if limits.run_memory_mb is None else limits.run_memory_mb * 2**20,
+        # The run's two set-up processes (outer, init) are in the cgroup too.
+        max_tasks=limits.max_processes + 2,
+        cpus=limits.cpus,
+    )
 
 
 def _default_root_dir(is_root: bool) -> Path:

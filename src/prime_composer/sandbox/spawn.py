@@ -49,7 +49,8 @@ class Pipes:
 class Spawner:
     """The fork server process and the socket to it; ``spawn`` is safe to call from many threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, seccomp_library: str | None = None) -> None:
+        self._seccomp_library = seccomp_library
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -59,7 +60,14 @@ class Spawner:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", str(INIT_SCRIPT), str(theirs.fileno())],
+                [
+                    sys.executable,
+                    "-I",
+                    "-S",
+                    str(INIT_SCRIPT),
+                    str(theirs.fileno()),
+                    *([self._seccomp_library] if self._seccomp_library else []),
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),

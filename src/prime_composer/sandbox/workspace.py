@@ -104,10 +104,14 @@ class Workspace:
         self.closed = False
 
     @classmethod
-    def create(cls, root_dir: Path, source: Path | None, pool: IdPool, *, own_uid: bool) -> Workspace:
+    def create(
+        cls, root_dir: Path, source: Path | None, pool: IdPool, *, own_uid: bool, disk_mb: int | None = None
+    ) -> Workspace:
         """A new workspace under ``root_dir`` holding a copy of ``source`` (an empty one if ``None``).
 
-        With ``own_uid`` (isolated mode) its files belong to the uid it takes from ``pool``.
+        With ``own_uid`` (isolated mode) its files belong to the uid it takes from ``pool``. With
+        ``disk_mb`` its folder is a tmpfs of that size (needs root): ``work/`` and ``tmp/`` together
+        hold at most that much, and a write past it fails with ``ENOSPC``.
         """
         if source is not None and not Path(source).is_dir():
             raise ValueError(f"sandbox: workspace source {str(source)!r} is not a folder")
@@ -118,9 +122,19 @@ class Workspace:
                 _remove_tree(stale)
             root = root_dir / f"{ident}-{secrets.token_hex(6)}"
             root.mkdir(mode=0o711)
+            if disk_mb is not None:
+                _mount_tmpfs(root, disk_mb)
             workspace = cls(root.resolve(), uid, fd)
             if source is not None:
-                shutil.copytree(source, workspace.path, symlinks=True)
+                try:
+                    shutil.copytree(source, workspace.path, symlinks=True)
+                except shutil.Error as e:
+                    if disk_mb is not None and "No space left on device" in str(e):
+                        raise ValueError(
+                            f"sandbox: workspace source {str(source)!r} does not fit in "
+                            f"sandbox.workspace_disk_mb = {disk_mb} MiB; raise it"
+                        ) from None
+                    raise
             else:
                 workspace.path.mkdir()
             workspace.tmp.mkdir()
@@ -184,10 +198,40 @@ def _chown_tree(top: Path, uid: int) -> None:
             os.lchown(os.path.join(folder, name), uid, uid)
 
 
+def _libc():  # type: ignore[no-untyped-def]
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+    libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    return libc
+
+
+def _mount_tmpfs(path: Path, size_mb: int) -> None:
+    import ctypes
+
+    ms_nosuid, ms_nodev = 2, 4
+    options = f"size={size_mb}m,mode=0711".encode()
+    if _libc().mount(b"tmpfs", str(path).encode(), b"tmpfs", ms_nosuid | ms_nodev, options) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"sandbox: cannot mount the workspace's tmpfs on {path}: {os.strerror(errno)}")
+
+
+def _unmount(path: Path) -> None:
+    import ctypes
+
+    if _libc().umount2(str(path).encode(), 2) != 0:  # MNT_DETACH: freed once nothing uses it
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"sandbox: cannot unmount {path}: {os.strerror(errno)}")
+
+
 def _remove_tree(path: Path) -> None:
-    """Delete ``path``, also when sandboxed code left folders without permissions in it."""
+    """Delete ``path`` (unmounting it if it is a workspace's tmpfs), also when sandboxed code left
+    folders without permissions in it."""
     if not path.exists():
         return
+    if os.path.ismount(path):
+        _unmount(path)
     if os.geteuid() != 0:  # root needs no permission bits; anyone else restores them on the way down
         os.chmod(path, stat.S_IRWXU)
         for folder, dirs, _ in os.walk(path):
