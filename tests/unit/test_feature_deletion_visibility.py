@@ -226,3 +226,27 @@ def test_a_manifest_entry_may_name_a_local_sdist(tmp_path: Path) -> None:
     manifest.write_text(entry)
     with pytest.raises(ValueError, match=r"my\.toml: project 'gadget-kit': an sdist needs its sha256"):
         load_manifest(manifest)
+
+
+def test_the_command_lines_name_a_bad_manifest_and_a_bad_time_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from feature_deletion import cli
+
+    bad = tmp_path / "mine.toml"
+    bad.write_text('[[project]]\nname = "x"\n')
+    for main in (cli.generate_main, cli.build_corpus_main):
+        with pytest.raises(SystemExit) as exited:
+            main(["--manifest", str(bad), "--store", str(tmp_path / "store")])
+        assert exited.value.code == 2
+        assert f"{bad}: not a valid project manifest" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.generate_main(["--corpus", "ci", "--manifest", str(bad)])
+    assert "not allowed with argument" in capsys.readouterr().err
+    good = tmp_path / "good.toml"
+    good.write_text(
+        '[[project]]\nname = "x"\nversion = "1"\nlicence = "MIT"\npackages = ["x"]\ntests = ["t"]\n'
+    )
+    with pytest.raises(SystemExit):
+        cli.generate_main(["--manifest", str(good), "--test-timeout-s", "0", "--store", str(tmp_path / "s")])
+    assert "--test-timeout-s / --probe-timeout-s" in capsys.readouterr().err

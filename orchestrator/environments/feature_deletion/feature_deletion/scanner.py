@@ -15,7 +15,8 @@ included (up to ``MAX_DEPTH`` levels):
 - a dist-info, egg-info, sdist, wheel, egg or zip named after the project.
 
 Output: one JSON line per finding, ``{"project": slug, "path": ..., "why": ...}`` (a member of an
-archive is named ``archive!member``), then ``{"end": {"files": N, "archives": M, "unreadable": K}}``.
+archive is named ``archive!member``), then ``{"end": {"files": N, "archives": M, "unreadable": K, "found": {slug: count}}}`` (at most
+``MAX_REPORTED`` findings are written per project; ``found`` counts them all).
 Unreadable files and folders are skipped: what the sandboxed user cannot read is no copy.
 """
 
@@ -37,6 +38,8 @@ MAX_DEPTH = 3
 """Archives inside archives are opened this many levels deep."""
 MAX_MEMBER_BYTES = 64 * 2**20
 """Largest archive member read (a nested archive is read into memory to be opened)."""
+MAX_REPORTED = 100
+"""Findings written per project (the rest are only counted)."""
 MAX_SOURCE_BYTES = 8 * 2**20
 """Largest source or bytecode file compared with a project's lines and names."""
 _PYC = re.compile(r"^(?P<stem>[^.]+)(\.[A-Za-z0-9_-]+)?\.pyc$")
@@ -61,11 +64,15 @@ class Scanner:
         self.module_names = {name for p in projects for name in p.modules}
         self.stems = {stem for p in projects for stem in p.stems}
         self.seen: set[tuple[str, str]] = set()
+        self.num_found: dict[str, int] = {}
 
     def report(self, project: Project, path: str, why: str) -> None:
         if (project.slug, path) in self.seen:
             return
         self.seen.add((project.slug, path))
+        self.num_found[project.slug] = self.num_found.get(project.slug, 0) + 1
+        if self.num_found[project.slug] > MAX_REPORTED:
+            return  # counted in the end line; the output stays small enough to come back whole
         self.out.write(json.dumps({"project": project.slug, "path": path, "why": why}) + "\n")
         self.out.flush()
 
@@ -218,7 +225,12 @@ def main() -> None:
     projects = [Project(p) for p in job["projects"]]
     scanner = Scanner(projects, sys.stdout)
     scanner.walk(job["roots"], set(job["prune"]))
-    end = {"files": scanner.num_files, "archives": scanner.num_archives, "unreadable": scanner.num_unreadable}
+    end = {
+        "files": scanner.num_files,
+        "archives": scanner.num_archives,
+        "unreadable": scanner.num_unreadable,
+        "found": scanner.num_found,
+    }
     sys.stdout.write(json.dumps({"end": end}) + "\n")
 
 
