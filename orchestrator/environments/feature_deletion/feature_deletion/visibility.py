@@ -75,7 +75,9 @@ def fingerprint(spec: ProjectSpec, slug: str, tree: Path, files: Sequence[Path])
             "need_lines": min(2, len(lines)),
             # Too few names to tell a module from another one of the same name: no bytecode check.
             "names": names if len(names) >= 2 else [],
-            "need_names": min(5, max(2, math.ceil(len(names) / 2))),
+            # Half of them: a compiled copy (even of another version) holds most; another module
+            # of the same name shares a few common ones (``compare``, ``replace``, ...).
+            "need_names": max(2, math.ceil(len(names) / 2)),
         }
     return {"slug": slug, "dist_regex": dist_regex(spec.name), "modules": out}
 
