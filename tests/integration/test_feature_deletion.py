@@ -570,6 +570,15 @@ def test_a_taskset_whose_hide_list_is_lost_refuses_to_start(vendored: Vendored) 
     assert str(vendored.wheel) in str(refused.value)
 
 
+def test_a_sandbox_given_without_the_stored_hide_list_is_refused(vendored: Vendored) -> None:
+    with (
+        open_sandbox(vendored.store, HIDDEN) as sandbox,
+        pytest.raises(ValueError, match="the sandbox does not hide") as refused,
+    ):
+        FeatureDeletion(vendored.store, "vendored", sandbox=sandbox)
+    assert any(str(p) in str(refused.value) for p in vendored.hide)
+
+
 def test_archive_splice_wins_when_the_wheel_is_readable(vendored: Vendored) -> None:
     """The positive control: with the wheel readable (hide list lost, start check off), unzipping
     it and splicing the function back is the full reward the archive check exists to prevent."""
