@@ -246,10 +246,12 @@ def test_bytecode_wins_when_a_pyc_is_readable(built: Built, env: FeatureDeletion
     assert outcome.found and grade.reward == 1.0  # why no bytecode may reach a workspace
 
 
-@pytest.mark.slow  # a find / over the whole file system: 185 s on 2 shared, loaded cores
 def test_the_visibility_scan_finds_a_readable_copy(built: Built) -> None:
+    from feature_deletion import runs
+
     project = next(p for p in built.projects if p.spec.name == "textkit")
-    planted = Path("/usr/local/share") / f"fd-scan-test-{os.getpid()}"  # visible: under /usr
+    # The test Python is visible to sandboxed code whatever else is hidden: plant the copy there.
+    planted = runs.test_python(built.store) / f"fd-scan-test-{os.getpid()}"
     planted.mkdir(parents=True)
     try:
         shutil.copy(project.tree(built.store) / "textkit" / "case.py", planted / "case.py")
@@ -261,7 +263,7 @@ def test_the_visibility_scan_finds_a_readable_copy(built: Built) -> None:
             clean = corpus.scan_visible(sandbox, project.spec, project.tree(built.store), Limits().scan())
     finally:
         shutil.rmtree(planted, ignore_errors=True)
-    assert found == [str(planted / "case.py")]
+    assert [f.split(" (", 1)[0] for f in found] == [str(planted / "case.py")]
     assert clean == []
 
 
@@ -374,3 +376,388 @@ def test_episodes_run_through_the_agent_harness_in_the_environments_sandbox(buil
     assert oracle.metrics["agent/num_tool_calls"] == 1.0
     assert noop.error is None and noop.reward == 0.0
     assert noop.episode.feedback[0]["kind"] == "failing_test"
+
+
+# -- a project the interpreter's bundled wheels vendor: copies inside archives ------------------
+
+BUNDLED = sorted(
+    Path(
+        sys.base_prefix,
+        "lib",
+        f"python{sys.version_info.major}.{sys.version_info.minor}",
+        "ensurepip",
+        "_bundled",
+    ).glob("setuptools-*.whl")
+)
+"""setuptools' wheel, shipped with the interpreter the test Python is a venv of (so visible in the
+sandbox); it vendors ``more_itertools``."""
+
+VENDORED_TESTS = """\
+from more_itertools import chunked, first, windowed, unique_everseen
+
+
+def test_chunked():
+    assert list(chunked([1, 2, 3, 4, 5], 2)) == [[1, 2], [3, 4], [5]]
+    assert list(chunked("abcdefg", 3)) == [["a", "b", "c"], ["d", "e", "f"], ["g"]]
+
+
+def test_first():
+    assert first([7, 8]) == 7
+    assert first([], default="none") == "none"
+
+
+def test_windowed():
+    assert list(windowed([1, 2, 3, 4], 2)) == [(1, 2), (2, 3), (3, 4)]
+    assert list(windowed([1, 2, 3], 2, step=2)) == [(1, 2), (3, None)]
+
+
+def test_unique_everseen():
+    assert list(unique_everseen("AAAABBBCCDAABBB")) == ["A", "B", "C", "D"]
+    assert list(unique_everseen([3, 1, 3, 2, 1])) == [3, 1, 2]
+"""
+
+
+@dataclass
+class Vendored:
+    store: Store
+    wheel: Path
+    refusal: str
+    """Why the build was refused before the copies were hidden."""
+    found: list[str]
+    hide: list[Path]
+    project: corpus.Project
+    tasks: list[Task]
+
+
+def _hide_for(found: list[str]) -> list[Path]:
+    """The folders to hide for the scan's findings: an archive's folder, a copy's package folder."""
+    folders = set()
+    for line in found:
+        path = Path(line.split(" (", 1)[0].split("!", 1)[0])
+        folders.add(path if path.is_dir() else path.parent)
+    return sorted(folders)
+
+
+@pytest.fixture(scope="module")
+def vendored(tmp_path_factory: pytest.TempPathFactory) -> Vendored:
+    if not BUNDLED:
+        pytest.skip(f"the base interpreter ({sys.base_prefix}) ships no ensurepip setuptools wheel")
+    import zipfile
+
+    from feature_deletion.spec import ProjectSpec
+
+    wheel = BUNDLED[-1]
+    root = tmp_path_factory.mktemp("fd-vendored")
+    source = root / "more_itertools-src"
+    (source / "more_itertools").mkdir(parents=True)
+    (source / "tests").mkdir()
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            if name.startswith("setuptools/_vendor/more_itertools/") and name.endswith(".py"):
+                (source / "more_itertools" / Path(name).name).write_bytes(archive.read(name))
+            if name.startswith("setuptools/_vendor/more_itertools-") and name.endswith("/LICENSE"):
+                (source / "LICENSE").write_bytes(archive.read(name))
+    (source / "tests" / "test_vendored.py").write_text(VENDORED_TESTS)
+    spec = ProjectSpec(
+        name="more-itertools",
+        version="vendored",
+        licence="MIT",
+        kind="iterator utilities (the copy setuptools vendors)",
+        packages=["more_itertools"],
+        tests=["tests"],
+    )
+    store = Store(root / "store")
+    store.ensure()
+    limits = Limits()
+    tree = root / "tree"
+    corpus.make_tree(spec, source, tree)
+    with open_sandbox(store, HIDDEN) as sandbox:
+        found = corpus.scan_visible(sandbox, spec, tree, limits.scan())
+        with pytest.raises(corpus.ProjectError) as refused:
+            corpus.build_project(
+                spec, "ci", store, sandbox, limits=limits.test(), scan_limits=limits.scan(), source=source
+            )
+    hide = _hide_for(found)
+    with open_sandbox(store, [*HIDDEN, *hide]) as sandbox:
+        project = corpus.build_project(
+            spec, "ci", store, sandbox, limits=limits.test(), scan_limits=limits.scan(), source=source
+        )
+        config = generate.GenerationConfig(max_tasks_per_project=2, include_canary=False, kinds=["function"])
+        tasks, _ = generate.generate([project], store, sandbox, config, limits.test(), limits.probe())
+    store.taskset("vendored").mkdir(parents=True)
+    write_tasks(store.taskset("vendored") / "tasks.jsonl", tasks)
+    return Vendored(store, wheel, str(refused.value), found, hide, project, tasks)
+
+
+def _forget_hide_list(v: Vendored) -> None:
+    """A corpus built before the hide list was stored (or with it edited out)."""
+    path = v.store.project(v.project.spec.slug) / "project.json"
+    path.write_text(v.project.model_copy(update={"hidden_paths": []}).model_dump_json())
+
+
+def _restore_hide_list(v: Vendored) -> None:
+    (v.store.project(v.project.spec.slug) / "project.json").write_text(v.project.model_dump_json())
+
+
+def test_the_scan_finds_the_project_inside_the_bundled_wheel(vendored: Vendored) -> None:
+    inside = f"{vendored.wheel}!setuptools/_vendor/more_itertools/more.py (source:"
+    assert any(f.startswith(inside) for f in vendored.found), vendored.found
+    assert str(vendored.wheel) in vendored.refusal and "more_itertools/more.py" in vendored.refusal
+    assert vendored.project.scanned
+    assert set(map(str, vendored.hide)) <= set(vendored.project.hidden_paths)  # stored with the project
+    assert vendored.tasks and all(
+        t.file == "more_itertools/more.py" or "recipes" in t.file for t in vendored.tasks
+    )
+
+
+def test_the_scan_reads_bytecode_and_archives_in_archives(vendored: Vendored, tmp_path: Path) -> None:
+    import zipfile
+
+    from feature_deletion import runs, visibility
+
+    # The test Python is visible to sandboxed code whatever else is hidden: plant the copies there.
+    planted = runs.test_python(vendored.store) / f"fd-scan-test-{os.getpid()}"
+    planted.mkdir()
+    try:
+        more = vendored.project.tree(vendored.store) / "more_itertools" / "more.py"
+        py_compile.compile(str(more), cfile=str(planted / "more.cpython-311.pyc"), doraise=True)
+        inner = tmp_path / "inner.whl"
+        with zipfile.ZipFile(inner, "w") as z:
+            z.write(more, "pkg/more.py")
+        with zipfile.ZipFile(planted / "outer.zip", "w") as z:
+            z.write(inner, "wheels/inner.whl")
+        for p in planted.rglob("*"):
+            p.chmod(0o644)
+        planted.chmod(0o755)
+        with open_sandbox(vendored.store, [*HIDDEN, *vendored.hide]) as sandbox:
+            found = visibility.scan(
+                sandbox,
+                [corpus.fingerprint(vendored.project.spec, vendored.project.tree(vendored.store))],
+                Limits().scan(),
+            )
+    finally:
+        shutil.rmtree(planted)
+    paths = [f.split(" (", 1)[0] for f in found[vendored.project.spec.slug]]
+    assert str(planted / "more.cpython-311.pyc") in paths
+    assert f"{planted / 'outer.zip'}!wheels/inner.whl!pkg/more.py" in paths
+
+
+def test_the_stored_hide_list_holds_at_episode_start(vendored: Vendored) -> None:
+    task_id = vendored.tasks[0].id
+    with FeatureDeletion(vendored.store, "vendored", hidden_paths=HIDDEN) as env:  # no hide list named
+        assert set(vendored.hide) <= {Path(p) for p in env.sandbox.config.hidden_paths}
+        reward, outcome, _ = play(env, task_id, agents.ArchiveSplice())
+        assert (reward, outcome.found) == (0.0, [])
+        assert play(env, task_id, agents.Oracle())[0] == 1.0
+    # The same through a taskset config, as the shipped configs give it (no hide list named).
+    from feature_deletion import taskset
+
+    config = taskset.FeatureDeletionConfig(
+        store=str(vendored.store.root), taskset="vendored", hidden_paths=[str(p) for p in HIDDEN]
+    )
+    with taskset.runtime(config) as env:
+        assert set(vendored.hide) <= {Path(p) for p in env.sandbox.config.hidden_paths}
+    taskset._runtimes.pop(taskset._runtime_key(config))
+
+
+def test_a_taskset_whose_hide_list_is_lost_refuses_to_start(vendored: Vendored) -> None:
+    _forget_hide_list(vendored)
+    try:
+        with pytest.raises(ValueError, match="can read a copy of more-itertools-vendored") as refused:
+            FeatureDeletion(vendored.store, "vendored", hidden_paths=HIDDEN)
+    finally:
+        _restore_hide_list(vendored)
+    assert str(vendored.wheel) in str(refused.value)
+
+
+def test_a_sandbox_given_without_the_stored_hide_list_is_refused(vendored: Vendored) -> None:
+    with (
+        open_sandbox(vendored.store, HIDDEN) as sandbox,
+        pytest.raises(ValueError, match="the sandbox does not hide") as refused,
+    ):
+        FeatureDeletion(vendored.store, "vendored", sandbox=sandbox)
+    assert any(str(p) in str(refused.value) for p in vendored.hide)
+
+
+def test_archive_splice_wins_when_the_wheel_is_readable(vendored: Vendored) -> None:
+    """The positive control: with the wheel readable (hide list lost, start check off), unzipping
+    it and splicing the function back is the full reward the archive check exists to prevent."""
+    _forget_hide_list(vendored)
+    try:
+        with FeatureDeletion(vendored.store, "vendored", hidden_paths=HIDDEN, check_visibility=False) as env:
+            reward, outcome, _ = play(env, vendored.tasks[0].id, agents.ArchiveSplice())
+    finally:
+        _restore_hide_list(vendored)
+    assert reward == 1.0
+    assert outcome.found and "!" in outcome.found[0] and outcome.found[0].endswith(vendored.tasks[0].file)
+
+
+# -- a user's own project: generate_tasks.py --manifest ------------------------------------------
+
+TINY = {
+    "PKG-INFO": "Metadata-Version: 2.1\nName: tinycalc\nVersion: 1.0\nLicense: MIT\n",
+    "LICENSE": "MIT License (a project written for this test)\n",
+    "README.md": "tinycalc: not kept in the tree\n",
+    "tinycalc/__init__.py": "from tinycalc.ops import Unit, clamp, mean, running_total, parse_pairs\n",
+    "tinycalc/ops.py": '''\
+def mean(values):
+    """The arithmetic mean of a non-empty list of numbers."""
+    total = sum(values)
+    count = len(values)
+    return total / count
+
+
+def clamp(x, low, high):
+    """x limited to the closed interval [low, high]."""
+    if x < low:
+        return low
+    return high if x > high else x
+
+
+def running_total(values):
+    """The list of partial sums of values."""
+    out, acc = [], 0
+    for value in values:
+        acc += value
+        out.append(acc)
+    return out
+
+
+def parse_pairs(text):
+    """Parse 'a=1,b=2' into a dict of ints (spaces around items are ignored)."""
+    pairs = {}
+    for item in text.split(","):
+        key, _, value = item.strip().partition("=")
+        pairs[key] = int(value)
+    return pairs
+
+
+class Unit:
+    """A trivial class: every method is a one-liner returning a constant."""
+
+    def size(self):
+        return 1
+
+    def weight(self):
+        return 1
+
+    def count(self):
+        return 1
+''',
+    "tests/test_ops.py": """\
+from tinycalc import Unit, clamp, mean, parse_pairs, running_total
+
+
+def test_mean():
+    assert mean([1, 2, 3, 4]) == 2.5
+
+
+def test_clamp():
+    assert [clamp(v, 0, 10) for v in (-5, 5, 15)] == [0, 5, 10]
+
+
+def test_running_total():
+    assert running_total([1, 2, 3]) == [1, 3, 6]
+
+
+def test_parse_pairs():
+    assert parse_pairs("a=1, b=22") == {"a": 1, "b": 22}
+
+
+def test_unit():
+    u = Unit()
+    assert (u.size(), u.weight(), u.count()) == (1, 1, 1)
+""",
+}
+
+
+def write_sdist(path: Path, files: dict[str, str], top: str) -> str:
+    """Write an sdist (tar.gz) of ``files`` under ``top/``; its sha256."""
+    import hashlib
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as archive:
+        for rel, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"{top}/{rel}")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_manifest(folder: Path, name: str, sdist: str, sha256: str, extra: str = "") -> Path:
+    manifest = folder / "my.toml"
+    manifest.write_text(
+        f'[[project]]\nname = "{name}"\nversion = "1.0"\nsha256 = "{sha256}"\nlicence = "MIT"\n'
+        f'sdist = "{sdist}"\npackages = ["{name}"]\ntests = ["tests"]\n{extra}'
+    )
+    return manifest
+
+
+def test_generate_tasks_builds_tasks_for_a_users_own_project(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from feature_deletion import cli
+
+    sha256 = write_sdist(tmp_path / "tinycalc-1.0.tar.gz", TINY, "tinycalc-1.0")
+    manifest = write_manifest(tmp_path, "tinycalc", "tinycalc-1.0.tar.gz", sha256, "test_timeout_s = 60\n")
+    store = Store(tmp_path / "store")
+    hide = [arg for path in HIDDEN for arg in ("--hide", str(path))]
+    argv = ["--manifest", str(manifest), "--store", str(store.root), *hide, "--workers", "1", "--no-canary"]
+    assert cli.generate_main(argv) == 0
+    assert "built tinycalc-1.0" in capsys.readouterr().out
+
+    project = corpus.load_project(store, "tinycalc-1.0")
+    assert project.corpus == "user" and project.scanned and project.spec.test_timeout_s == 60
+    assert sorted(p.name for p in project.tree(store).rglob("*") if p.is_file()) == [
+        "LICENSE",
+        "__init__.py",
+        "ops.py",
+        "test_ops.py",
+    ]
+    tasks = {t.qualname: t for t in _read_tasks(store.taskset("my") / "tasks.jsonl")}
+    assert set(tasks) == {"mean", "clamp", "running_total", "parse_pairs"}
+    attempts = [
+        json.loads(line) for line in (store.taskset("my") / "attempts.jsonl").read_text().splitlines()
+    ]
+    unit = next(a for a in attempts if a["candidate"] == "Unit")
+    assert unit["status"] == "filtered" and unit["reason"].startswith("trivial: 2 syntax-tree nodes")
+    with FeatureDeletion(store, "my", hidden_paths=HIDDEN) as env:
+        for task_id in env.tasks:
+            assert play(env, task_id, agents.Oracle())[0] == 1.0, task_id
+            assert play(env, task_id, agents.NoOp())[0] == 0.0, task_id
+    # A second run reuses the built project (the same manifest entry) instead of rebuilding it.
+    assert cli.generate_main(argv) == 0
+    assert "built tinycalc" not in capsys.readouterr().out
+
+
+def _read_tasks(path: Path) -> list[Task]:
+    from feature_deletion.tasks import read_tasks
+
+    return list(read_tasks(path))
+
+
+def test_a_suite_over_its_time_limit_is_refused_with_the_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from feature_deletion import cli
+
+    files = {
+        "PKG-INFO": "Metadata-Version: 2.1\nName: slowpkg\nVersion: 1.0\nLicense: MIT\n",
+        "slowpkg/__init__.py": "def f():\n    return 1\n",
+        "tests/test_slow.py": "import time\n\n\ndef test_slow():\n    time.sleep(30)\n",
+    }
+    sha256 = write_sdist(tmp_path / "slowpkg-1.0.tar.gz", files, "slowpkg-1.0")
+    manifest = write_manifest(tmp_path, "slowpkg", "slowpkg-1.0.tar.gz", sha256, "test_timeout_s = 2\n")
+    argv = ["--manifest", str(manifest), "--store", str(tmp_path / "store"), "--no-scan"]
+    assert cli.build_corpus_main(argv) == 1
+    out = capsys.readouterr().out
+    assert (
+        "REFUSED slowpkg-1.0: slowpkg: the test suite did not run to the end in the sandbox: timed out after"
+        in out
+    )
+    assert (
+        "(the limit is 2 s: raise it with --test-timeout-s, or test_timeout_s in the project's manifest entry)"
+        in out
+    )

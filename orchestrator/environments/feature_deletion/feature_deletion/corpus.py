@@ -31,13 +31,14 @@ import tarfile
 import tempfile
 import time
 import zipfile
+from collections.abc import Iterable
 from email.parser import Parser
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from feature_deletion import runs
+from feature_deletion import runs, visibility
 from feature_deletion.spec import CI_SOURCES, CorpusName, ProjectSpec, Store
 from prime_composer.config.sandbox import LimitsConfig
 from prime_composer.io import atomic_write_text
@@ -107,6 +108,11 @@ class Project(BaseModel):
     suite_s: float
     """Wall time of one sandboxed baseline run."""
     record_s: float
+    hidden_paths: list[str] = []
+    """Folders hidden from sandboxed code when the project was built (and scanned): every sandbox
+    its tasks run in hides them too, whatever its config says."""
+    scanned: bool = False
+    """The visibility scan ran (and found no copy) when the project was built."""
 
     def dir(self, store: Store) -> Path:
         return store.project(self.spec.slug)
@@ -124,6 +130,12 @@ def load_project(store: Store, slug: str) -> Project:
         return Project.model_validate_json(path.read_text())
     except (OSError, ValueError) as e:
         raise ProjectError(f"{path}: not a built project ({e}); build the corpus first") from e
+
+
+def stored_hidden(projects: Iterable[Project]) -> list[Path]:
+    """The folders the projects were built with hidden that still exist (in order, once each)."""
+    paths = (Path(p) for project in projects for p in project.hidden_paths)
+    return [p for p in dict.fromkeys(paths) if p.is_dir()]
 
 
 # -- sources -------------------------------------------------------------------------------
@@ -148,6 +160,19 @@ def fetch_sdist(spec: ProjectSpec, store: Store) -> Path:
     if found is None:
         raise ProjectError(f"{spec.name}: no sdist with sha256 {spec.sha256} after downloading")
     return found
+
+
+def local_sdist(spec: ProjectSpec) -> Path:
+    """A manifest entry's own sdist file, checked against its sha256."""
+    path = Path(spec.sdist or "")
+    if not path.is_file():
+        raise ProjectError(f"{spec.name}: the manifest's sdist {str(path)!r} is not a file")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != spec.sha256:
+        raise ProjectError(
+            f"{spec.name}: {path} has sha256 {digest}, the manifest says {spec.sha256}; fix the manifest's sha256"
+        )
+    return path
 
 
 def _verified_sdist(spec: ProjectSpec, store: Store) -> Path | None:
@@ -252,39 +277,16 @@ def clean_tree(spec: ProjectSpec, tree: Path) -> None:
 
 
 def scan_visible(sandbox: Sandbox, spec: ProjectSpec, tree: Path, limits: LimitsConfig) -> list[str]:
-    """Paths, as sandboxed code sees the file system, that hold a copy of the project's code or
-    an installed, downloaded or built copy of the project.
+    """Paths, as sandboxed code sees the file system, that hold a copy of the project in any form:
+    a module's source (two of its longest lines), its bytecode, a dist-info, egg-info, sdist,
+    wheel or zip named after it, as a file or inside an archive (see ``visibility``)."""
+    found = visibility.scan(sandbox, [fingerprint(spec, tree)], limits)
+    return found[spec.slug]
 
-    A file counts as a copy when it has the name of one of the project's modules and holds at
-    least two of the project's longest lines (one long line alone is often a common idiom);
-    a dist-info, egg-info, sdist, wheel or zip named after the project always counts."""
-    module_names: set[str] = set()
-    patterns: dict[str, None] = {}
-    for path in _package_files(spec, tree):
-        module_names.add(path.name)
-        long_lines = sorted(
-            {s for s in (line.strip() for line in path.read_text().splitlines()) if len(s) >= 40}
-        )
-        for line in sorted(long_lines, key=len, reverse=True)[:5]:
-            patterns[line] = None
-    name = spec.name.replace("-", "[-_]")
-    with sandbox.workspace() as ws:
-        (ws.path / "patterns.txt").write_text("\n".join(patterns) + "\n")
-        ws.give(ws.path / "patterns.txt")
-        by_name = " -o ".join(f"-name '{n}'" for n in sorted(module_names))
-        script = (
-            f"find / \\( -path /proc -o -path /sys -o -path /dev -o -path {sandbox.root_dir} \\) -prune -o "
-            f"\\( -type f \\( {by_name} \\) -print \\) 2>/dev/null | while IFS= read -r f; do "
-            f'n=$(grep -o -F -f patterns.txt "$f" 2>/dev/null | sort -u | wc -l); '
-            f'[ "$n" -ge {min(2, max(1, len(patterns)))} ] && echo "$f"; done; '
-            f"find / \\( -path /proc -o -path /sys -o -path /dev -o -path {sandbox.root_dir} \\) -prune -o "
-            f"\\( -iregex '.*/{name}-[0-9][^/]*\\.\\(dist-info\\|egg-info\\|tar\\.gz\\|whl\\|zip\\)' -print \\) "
-            f"2>/dev/null; true"
-        )
-        run = sandbox.run(ws, script, limits=limits)
-    if run.timed_out:
-        raise ProjectError(f"{spec.name}: the visibility scan timed out after {limits.timeout_s:g} s")
-    return sorted({line for line in run.stdout.splitlines() if line.strip()})
+
+def fingerprint(spec: ProjectSpec, tree: Path) -> dict[str, Any]:
+    """What a copy of the project looks like (``visibility.fingerprint``)."""
+    return visibility.fingerprint(spec, spec.slug, tree, _package_files(spec, tree))
 
 
 def _package_files(spec: ProjectSpec, tree: Path) -> list[Path]:
@@ -318,8 +320,10 @@ def baseline(
         with sandbox.workspace(tree) as ws:
             result, _ = runs.run_pytest(sandbox, ws, spec, limits)
         if not result.ended or result.collect_errors:
-            detail = result.collect_errors[:5] or result.run.stderr[-1500:]
-            raise ProjectError(f"{spec.name}: the test suite did not run to the end in the sandbox: {detail}")
+            raise ProjectError(
+                f"{spec.name}: the test suite did not run to the end in the sandbox: "
+                f"{runs.why_unfinished(result, limits)}"
+            )
         results.append(result.outcomes)
         durations.append(result.run.duration_s)
     return results, min(durations)
@@ -359,7 +363,9 @@ def record(sandbox: Sandbox, spec: ProjectSpec, tree: Path, out: Path, limits: L
         result, _ = runs.run_pytest(sandbox, ws, spec, limits, record=dict(RECORD_OPTIONS))
         elapsed = time.monotonic() - start
         if not result.ended:
-            raise ProjectError(f"{spec.name}: the recorded run did not finish: {result.run.stderr[-1500:]}")
+            raise ProjectError(
+                f"{spec.name}: the recorded run did not finish: {runs.why_unfinished(result, limits)}"
+            )
         lines = list(runs.read_lines(ws.tmp / "record.jsonl"))
     atomic_write_text(out, "".join(json.dumps(line) + "\n" for line in lines))
     return elapsed
@@ -385,23 +391,28 @@ def build_project(
     projects are fetched. ``scan_limits=None`` skips the visibility scan.
     """
     store.ensure()
+    limits = runs.for_project(limits, spec)
     out = store.project(spec.slug)
     with tempfile.TemporaryDirectory(dir=store.root) as tmp:
         staging = Path(tmp) / "project"
         tree = staging / "tree"
-        if corpus == "pypi":
-            root = unpack(fetch_sdist(spec, store), Path(tmp) / "unpacked")
+        if corpus in ("pypi", "user"):
+            sdist = local_sdist(spec) if spec.sdist is not None else fetch_sdist(spec, store)
+            root = unpack(sdist, Path(tmp) / "unpacked")
             evidence = check_licence(spec, root)
         else:
             root = source or CI_SOURCES / spec.name
             evidence = "local"
         make_tree(spec, root, tree)
         if scan_limits is not None:
-            visible = scan_visible(sandbox, spec, tree, scan_limits)
+            try:
+                visible = scan_visible(sandbox, spec, tree, scan_limits)
+            except visibility.VisibilityError as e:
+                raise ProjectError(f"{spec.name}: {e}") from e
             if visible:
                 raise ProjectError(
                     f"{spec.name}: sandboxed code can read a copy of the project at {visible[:5]}; hide "
-                    "those folders (feature-deletion's `hidden_paths`) or drop the project"
+                    "those folders (--hide, stored with the project) or drop the project"
                 )
         outcomes, suite_s = baseline(sandbox, spec, tree, limits)
         tests = sorted(set().union(*(o.keys() for o in outcomes)))
@@ -426,6 +437,8 @@ def build_project(
             pass_rate=rate,
             suite_s=suite_s,
             record_s=record_s,
+            hidden_paths=[str(p) for p in sandbox.config.hidden_paths],
+            scanned=scan_limits is not None,
         )
         atomic_write_text(staging / "project.json", project.model_dump_json(indent=1))
         if out.exists():

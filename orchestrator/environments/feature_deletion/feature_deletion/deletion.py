@@ -5,7 +5,8 @@ and the docstring stay; every line after the docstring (or after the signature w
 none), comments included, is replaced by ``raise NotImplementedError``. Class attributes and the
 class docstring of a deleted class stay; each of its methods is stubbed the same way.
 
-``candidates`` lists what can be deleted in a file (module-level functions, methods of
+``feature_size`` measures what a deletion removes (distinct syntax-tree nodes), so that trivial
+features (a ``return 1``) are not tasks. ``candidates`` lists what can be deleted in a file (module-level functions, methods of
 module-level and nested classes, classes with at least two methods); ``delete`` returns the new
 file text and the removed blocks; ``distinctive_lines`` picks the removed lines that appear
 nowhere else in the project, which is what the leak check looks for.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import io
+import textwrap
 import tokenize
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -160,6 +162,22 @@ def delete(source: str, candidate: Candidate) -> tuple[str, list[str]]:
     new_source = "".join(lines)
     ast.parse(new_source)  # a stub never breaks the syntax; an internal error if it does
     return new_source, removed[::-1]
+
+
+def feature_size(source: str, candidate: Candidate) -> int:
+    """How much a deletion removes, in syntax-tree nodes (contexts such as ``Load`` not counted),
+    each distinct statement counted once: ``return 1`` is 2, ``x = a + b`` 6, and a class whose
+    three methods each ``return 1`` is 2 as well. The filter that keeps trivial one-liners from
+    becoming tasks."""
+    lines = source.splitlines(keepends=True)
+    seen: dict[str, int] = {}
+    for body in candidate.bodies:
+        code = textwrap.dedent("".join(lines[body.start - 1 : body.end]))
+        for statement in ast.parse(code).body:
+            key = ast.dump(statement)
+            if key not in seen:
+                seen[key] = sum(not isinstance(n, ast.expr_context) for n in ast.walk(statement))
+    return sum(seen.values())
 
 
 def normalize(line: str) -> str:

@@ -21,8 +21,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from feature_deletion import grader
-from feature_deletion.corpus import Project, load_project
+from feature_deletion import grader, runs, visibility
+from feature_deletion.corpus import Project, fingerprint, load_project, stored_hidden
 from feature_deletion.environment import Limits, open_sandbox
 from feature_deletion.spec import Store
 from feature_deletion.tasks import Task, read_tasks
@@ -70,7 +70,7 @@ class Episode:
             env.tree(self.task),
             env.sandbox,
             self.workspace.path,
-            test_limits=env.limits.test(),
+            test_limits=runs.for_project(env.limits.test(), self.project.spec),
             probe_limits=env.limits.probe(),
             binary=env.binary if binary is None else binary,
         )
@@ -87,7 +87,13 @@ class Episode:
 
 
 class FeatureDeletion:
-    """The tasks of one taskset in a store, the sandbox they run in, and their projects."""
+    """The tasks of one taskset in a store, the sandbox they run in, and their projects.
+
+    The sandbox hides ``hidden_paths`` and every folder the projects were built with hidden
+    (``Project.hidden_paths``), whatever the caller names. Before any episode starts, the
+    visibility scan runs in that sandbox (``check_visibility``, ~10 s on an idle machine): a
+    readable copy of one of the projects, in any form, refuses the whole taskset with a
+    ``ValueError`` naming where it is."""
 
     def __init__(
         self,
@@ -99,6 +105,7 @@ class FeatureDeletion:
         binary: bool = False,
         sandbox: Sandbox | None = None,
         tools: ToolsConfig = TOOLS,
+        check_visibility: bool = True,
     ) -> None:
         self.store = store
         path = store.taskset(taskset) / "tasks.jsonl"
@@ -115,8 +122,42 @@ class FeatureDeletion:
         self.binary = binary
         self.tools = tools
         self._own_sandbox = sandbox is None
-        self.sandbox = sandbox or open_sandbox(store, hidden_paths)
+        hidden = [*stored_hidden(self.projects.values()), *hidden_paths]
+        self.sandbox = sandbox or open_sandbox(store, hidden)
         self._lock = threading.Lock()
+        try:
+            self._check_hidden(hidden)
+            if check_visibility:
+                self.check_visibility()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_hidden(self, hidden: Sequence[Path]) -> None:
+        """A sandbox given by the caller must hide what the projects were built with hidden."""
+        covered = [Path(p).resolve() for p in self.sandbox.config.hidden_paths]
+        for path in hidden:
+            real = Path(path).resolve()
+            if real.is_dir() and not any(real == c or c in real.parents for c in covered):
+                raise ValueError(
+                    f"feature-deletion: the sandbox does not hide {str(path)!r}, which the taskset's "
+                    "projects were built with hidden (or hidden_paths names); add it to its hidden_paths"
+                )
+
+    def check_visibility(self) -> None:
+        """Refuse (``ValueError``) when sandboxed code can read a copy of one of the projects."""
+        prints = [fingerprint(p.spec, p.tree(self.store)) for p in self.projects.values()]
+        try:
+            found = visibility.scan(self.sandbox, prints, self.limits.scan())
+        except visibility.VisibilityError as e:
+            raise ValueError(f"feature-deletion: cannot start the taskset's episodes: {e}") from e
+        for slug, paths in found.items():
+            if paths:
+                raise ValueError(
+                    f"feature-deletion: sandboxed code can read a copy of {slug} at {paths[:3]} "
+                    f"({len(paths)} in all); hide those folders (the taskset's hidden_paths, or "
+                    "--hide when building the corpus, which stores them with the project)"
+                )
 
     def tree(self, task: Task) -> Path:
         return self.projects[task.project].tree(self.store)

@@ -75,11 +75,16 @@ class GenerationConfig(BaseModel):
     kinds: list[Kind] = Field(default_factory=lambda: list(ALL_KINDS))
     """What may be deleted."""
     min_body_lines: int = Field(default=3, ge=1)
-    """Smallest body (lines removed) of a deleted function or method."""
+    """Smallest body (lines removed) of a deleted function or method, and of a class's methods
+    together."""
     max_body_lines: int = Field(default=60, ge=1)
     """Largest body of a deleted function or method."""
     max_class_lines: int = Field(default=150, ge=1)
     """Largest total of removed lines of a deleted class."""
+    min_feature_nodes: int = Field(default=10, ge=0)
+    """Smallest feature, in distinct syntax-tree nodes removed (``deletion.feature_size``): keeps
+    trivial ones out (a class whose three methods ``return 1`` is 7; ``x = a + b; return x * 2``
+    is 11)."""
     require_docstring: bool = False
     """Only delete functions that have a docstring (the specification the agent sees)."""
     max_probes_per_test: int = Field(default=8, ge=1)
@@ -157,6 +162,7 @@ def project_tasks(
     ``redactions`` (file -> (secret, stand-in)) replace a secret in the agent's copy of a file
     and make the secret a leak needle (the canary).
     """
+    limits = runs.for_project(limits, project.spec)
     ctx = _context(project, store)
     attempts: list[Attempt] = []
     runnable: list[tuple[deletion.Candidate, list[int]]] = []
@@ -251,11 +257,12 @@ def _prefilter(
         return [], f"kind {candidate.kind} not wanted"
     if config.require_docstring and not candidate.has_docstring:
         return [], "no docstring"
-    if candidate.kind == "class":
-        if candidate.num_lines > config.max_class_lines:
-            return [], f"{candidate.num_lines} lines (max {config.max_class_lines})"
-    elif not config.min_body_lines <= candidate.num_lines <= config.max_body_lines:
-        return [], f"{candidate.num_lines} lines (allowed {config.min_body_lines}-{config.max_body_lines})"
+    most = config.max_class_lines if candidate.kind == "class" else config.max_body_lines
+    if not config.min_body_lines <= candidate.num_lines <= most:
+        return [], f"{candidate.num_lines} lines (allowed {config.min_body_lines}-{most})"
+    size = deletion.feature_size(ctx.texts[candidate.file], candidate)
+    if size < config.min_feature_nodes:
+        return [], f"trivial: {size} syntax-tree nodes (min_feature_nodes {config.min_feature_nodes})"
     keys = [
         k
         for b in candidate.bodies
@@ -305,7 +312,9 @@ def _validate(
             (ws.path / rel).write_text(ctx.texts[rel])  # the tests run with the real expected value
         result, _ = runs.run_pytest(sandbox, ws, spec, limits)
     if not result.ended or result.collect_errors:
-        return "the suite does not run to the end without the feature"
+        return (
+            f"the suite does not run to the end without the feature ({runs.why_unfinished(result, limits)})"
+        )
     changed = ctx.passed - result.passed()
     if not changed:
         return "no test fails without the feature"
@@ -422,7 +431,14 @@ def canary_task(
         project,
         store,
         sandbox,
-        config.model_copy(update={"min_body_lines": 1, "kinds": ["function"], "max_tasks_per_project": 1}),
+        config.model_copy(
+            update={
+                "min_body_lines": 1,
+                "min_feature_nodes": 0,
+                "kinds": ["function"],
+                "max_tasks_per_project": 1,
+            }
+        ),
         limits,
         probe_limits,
         redactions=redactions,

@@ -81,6 +81,13 @@ def sandbox_config(base: SandboxConfig, python_env: Path, hidden: Sequence[Path]
     )
 
 
+def for_project(limits: LimitsConfig, spec: ProjectSpec) -> LimitsConfig:
+    """``limits`` with the project's own test time limit, when its manifest entry sets one."""
+    if spec.test_timeout_s is None:
+        return limits
+    return limits.model_copy(update={"timeout_s": spec.test_timeout_s, "cpu_s": int(spec.test_timeout_s) + 1})
+
+
 @dataclass
 class PytestResult:
     """How each test of one pytest run ended: ``passed``, ``failed``, ``error``, ``skipped``,
@@ -218,6 +225,34 @@ def parse_report(lines: Iterator[dict[str, Any]], run: RunResult) -> PytestResul
     return PytestResult(
         {test: _outcome(p) for test, p in phases.items()}, ended, exit_code, collect_errors, run
     )
+
+
+def why_unfinished(result: PytestResult, limits: LimitsConfig) -> str:
+    """Why a pytest run did not run to its end, in one line: the limit it hit (and how to raise
+    it), the signal or exit status, collection errors, and the tail of what it printed."""
+    run = result.run
+    parts: list[str] = []
+    if run.timed_out:
+        parts.append(
+            f"timed out after {run.duration_s:.1f} s (the limit is {limits.timeout_s:g} s: raise it with "
+            "--test-timeout-s, or test_timeout_s in the project's manifest entry)"
+        )
+    elif run.killed_by:
+        parts.append(f"killed by the {run.killed_by} limit")
+    elif run.signal:
+        parts.append(f"killed by {run.signal}")
+    elif not result.ended:
+        parts.append(f"exited with status {run.exit_code} before pytest returned")
+    hit = [h for h in run.limits_hit if h != run.killed_by and not (h == "timeout" and run.timed_out)]
+    if hit:
+        parts.append(f"limits hit: {', '.join(hit)}")
+    if result.collect_errors:
+        parts.append(
+            f"{len(result.collect_errors)} collection errors, e.g. {result.collect_errors[0][-300:]!r}"
+        )
+    tail = (run.stderr.strip() or run.stdout.strip())[-300:]
+    parts.append(f"output: {' '.join(tail.split())!r}" if tail else "no output")
+    return "; ".join(parts)
 
 
 def _outcome(phases: dict[str, tuple[str, bool]]) -> str:

@@ -48,7 +48,10 @@ class ProjectSpec(Strict):
     """SHA-256 of the sdist (PyPI projects); ``None`` for CI projects, which are not fetched."""
     licence: str
     """SPDX identifier; checked against the sdist's metadata when it is fetched."""
-    kind: str
+    sdist: str | None = None
+    """A local sdist (``.tar.gz`` or ``.zip``) to build from instead of fetching from PyPI: a path,
+    relative to the manifest's folder or absolute; its sha256 must be ``sha256``."""
+    kind: str = ""
     """What sort of code it is (for the corpus report)."""
     source_root: str = "."
     """Folder (relative to the project root) that goes on ``sys.path``: ``.`` or ``src``."""
@@ -59,7 +62,11 @@ class ProjectSpec(Strict):
     extra_files: list[str] = Field(default_factory=list)
     """Other files the tests need (e.g. ``conftest.py``, ``pytest.ini``), relative to the root."""
     pytest_args: list[str] = Field(default_factory=list)
-    """Extra pytest arguments for every run (e.g. ``-p no:doctest``, ``--deselect ...``)."""
+    """Extra pytest arguments for every run (e.g. ``-p no:doctest``, ``--deselect ...``). The test
+    command is ``python -m pytest <pytest_args> <tests>`` with ``source_root`` on ``sys.path``."""
+    test_timeout_s: float | None = Field(default=None, gt=0)
+    """Wall-clock limit of one run of this project's suite (build, validation, grading); default:
+    the command line's ``--test-timeout-s`` (120 s)."""
 
     @field_validator("packages", "tests", "extra_files")
     @classmethod
@@ -96,13 +103,21 @@ def load_manifest(path: Path) -> list[ProjectSpec]:
         projects = Manifest.model_validate(data).project
     except (OSError, tomllib.TOMLDecodeError, ValidationError) as e:
         raise ValueError(f"{path}: not a valid project manifest: {e}") from e
+    folder = Path(path).resolve().parent
+    projects = [
+        p.model_copy(update={"sdist": str(folder / p.sdist)}) if p.sdist is not None else p for p in projects
+    ]
+    for p in projects:
+        if p.sdist is not None and p.sha256 is None:
+            raise ValueError(f"{path}: project {p.name!r}: an sdist needs its sha256 (sha256 = ...)")
     names = [p.name for p in projects]
     if len(set(names)) != len(names):
         raise ValueError(f"{path}: a project is listed twice: {names}")
     return projects
 
 
-CorpusName = Literal["pypi", "ci", "canary"]
+CorpusName = Literal["pypi", "ci", "canary", "user"]
+"""``user``: a project of a manifest given with ``--manifest`` (a local sdist, or one on PyPI)."""
 
 
 class Store:
