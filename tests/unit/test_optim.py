@@ -24,13 +24,13 @@ from prime_composer.trainer.optim import build_optimizer, clip_grad_norm, lr_fac
     ],
 )
 def test_lr_factor_by_hand(schedule, expected):
-    cfg = OptimConfig(lr=2.0, warmup_steps=2, schedule=schedule, min_lr_ratio=0.1)
+    cfg = OptimConfig(lr=0.5, warmup_steps=2, schedule=schedule, min_lr_ratio=0.1)
     got = [lr_factor(s, cfg, max_steps=6) for s in range(6)]
     assert got == pytest.approx(expected, abs=1e-12)
 
 
 def test_scheduler_sets_lr_of_each_step():
-    cfg = OptimConfig(lr=2.0, warmup_steps=2, schedule="linear", min_lr_ratio=0.1)
+    cfg = OptimConfig(lr=0.5, warmup_steps=2, schedule="linear", min_lr_ratio=0.1)
     model = nn.Linear(2, 2)
     optimizer, scheduler = build_optimizer(model, cfg, max_steps=6)
     used = []
@@ -38,7 +38,7 @@ def test_scheduler_sets_lr_of_each_step():
         used.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    assert used == pytest.approx([1.0, 2.0, 2.0, 1.4, 0.8, 0.2])
+    assert used == pytest.approx([0.25, 0.5, 0.5, 0.35, 0.2, 0.05])
     assert {g["lr"] for g in optimizer.param_groups} == {optimizer.param_groups[0]["lr"]}
 
 
