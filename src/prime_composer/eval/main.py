@@ -70,12 +70,19 @@ def model_directory(config: EvalRunConfig, results_dir: Path) -> str:
 
 @contextlib.contextmanager
 def serving(inference: InferenceConfig, log_path: Path, gpus: list[int] | None = None) -> Iterator[str]:
-    """An inference server for ``inference``; yields its OpenAI base URL (``.../v1``). A vLLM child
-    sees only ``gpus`` (the run's ``launch.gpus.inference``) when given."""
-    if inference.backend == "hf":
-        from prime_composer.inference.local import running_server
+    """An inference server for ``inference``; yields its OpenAI base URL (``.../v1``). Inside this
+    process when the backend can (``hf``), else ``uv run inference`` as a child that sees only
+    ``gpus`` (the run's ``launch.gpus.inference``) when given."""
+    from prime_composer.inference.backend import get_backend
 
-        with running_server(inference) as url:
+    backend = get_backend(inference.backend)
+    try:
+        backend.check(inference)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    here = backend.in_process(inference)
+    if here is not None:
+        with here as url:
             yield f"{url}/v1"
         return
     from prime_composer.launch.process import ManagedProcess, ProcessSpec

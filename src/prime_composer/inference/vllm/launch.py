@@ -177,13 +177,20 @@ def build_vllm_command(config: InferenceConfig, model_dir: str) -> list[str]:
         command.append("--enforce-eager")
     if config.allow_client_chat_template:
         command.append("--trust-request-chat-template")
-    if config.tool_call_parser is not None:
-        parser = get_parser(config.tool_call_parser)
-        command += ["--enable-auto-tool-choice", "--tool-call-parser", parser.vllm_name]
+    tool_parser = vllm_tool_parser(config)
+    if tool_parser is not None:
+        command += ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
     if config.vllm.max_lora_rank is not None:
         rank = vllm_lora_rank(config.vllm.max_lora_rank)
         command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
     return command + list(config.vllm.extra_args)
+
+
+def vllm_tool_parser(config: InferenceConfig) -> str | None:
+    """vLLM's name of the parser of ``inference.tool_call_parser``'s format (``None``: no parsing)."""
+    if config.tool_call_parser is None:
+        return None
+    return get_parser(config.tool_call_parser).vllm_name
 
 
 def vllm_lora_rank(rank: int) -> int:

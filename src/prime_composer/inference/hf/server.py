@@ -38,8 +38,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.inference.auth import resolve_admin_secret
-from prime_composer.inference.engine import Engine
 from prime_composer.inference.guard import DEFAULT_MAX_BODY_BYTES, APIError, RequestGuard, error_response
+from prime_composer.inference.hf.engine import Engine
+from prime_composer.inference.local import KEEP_ALIVE_S
 from prime_composer.inference.openai_routes import ServingState, openai_router
 from prime_composer.inference.preprocess import Preprocessor
 from prime_composer.inference.requests import EngineError
@@ -50,12 +51,6 @@ from prime_composer.transport.weights import load_weights, parse_step
 logger = logging.getLogger(__name__)
 
 
-KEEP_ALIVE_S = 75
-"""Seconds an idle client connection stays open. Longer than httpx's pool expiry (5 s): with
-uvicorn's default of 5 s the server closes idle connections just as clients reuse them, and an
-unlucky request fails with a connection error (a lost rollout, seen between slow trainer steps)."""
-
-
 def broadcast_root(config: InferenceConfig) -> Path:
     """The only directory weight updates are read from."""
     return Path(config.output_dir) / "broadcasts"
@@ -63,16 +58,12 @@ def broadcast_root(config: InferenceConfig) -> Path:
 
 def build_app(config: InferenceConfig) -> FastAPI:
     """Load the model and return the app (the decode loop starts with the app's lifespan)."""
-    if config.backend != "hf":
-        raise ValueError(
-            f"inference.backend = {config.backend!r}: build_app serves the embedded 'hf' backend only"
-        )
     # Fail on a missing secret before spending time loading the model.
     secret = resolve_admin_secret(config.host, config.secret_env)
 
     import torch
 
-    from prime_composer.inference.loading import load_model_and_tokenizer, max_context, resolve_device
+    from prime_composer.inference.hf.loading import load_model_and_tokenizer, max_context, resolve_device
 
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
