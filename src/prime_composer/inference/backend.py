@@ -11,6 +11,10 @@ never know which one runs:
   checking the path (``weight_paths``) and the digests; ``POST /reload_weights``: the base again;
 - the request guard (``guard.py``): the shared secret, body size limits.
 
+The two weight routes are one handler (``weight_updates.WeightUpdates``) over each server's
+``WeightTarget`` (``load_weights``, ``load_adapter``, ``reload_base``): the ``hf`` engine's swap
+between decode iterations, vLLM's workers and LoRA loading.
+
 ``InferenceBackend`` is what the processes that start a server ask of it: check a config before
 anything starts, serve (blocking, the ``inference`` process), serve inside this process when the
 backend can (``eval``, tests), and which parser reads its tool calls (how many GPUs a replica
