@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from .conftest import REPO, free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 FIRST_STEPS, LAST_STEPS = 4, 6
 
