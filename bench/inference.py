@@ -125,11 +125,11 @@ async def _burst(base_url: str, model_name: str, conversations: list, max_tokens
 
 def bench_hf(model: Any, tokenizer: Any, name: str, conversations: list, max_tokens: int) -> float:
     """Output tokens/s of the embedded server for the concurrent burst."""
-    from prime_composer.inference.engine import Engine
-    from prime_composer.inference.loading import max_context
+    from prime_composer.inference.hf.engine import Engine
+    from prime_composer.inference.hf.loading import max_context
+    from prime_composer.inference.hf.server import create_app
     from prime_composer.inference.local import running_app
     from prime_composer.inference.openai_routes import ServingState
-    from prime_composer.inference.server import create_app
 
     engine = Engine(model, tokenizer, max_model_len=max_context(model, None), max_num_seqs=len(conversations))
     state = ServingState(engine=engine, tokenizer=tokenizer, served_model_name=name, model_root=name)
@@ -176,7 +176,7 @@ def main() -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from prime_composer.inference.loading import load_model_and_tokenizer
+    from prime_composer.inference.hf.loading import load_model_and_tokenizer
 
     hf_logging.disable_progress_bar()  # the GGUF dequantization bar would flood the output
     torch.set_num_threads(args.threads)

@@ -17,3 +17,12 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def client_url(bind_host: str, port: int) -> str:
+    """``http://host:port`` for a client on this machine reaching a server bound to ``bind_host``
+    (an all-interfaces bind is reached on 127.0.0.1; an IPv6 address is bracketed)."""
+    host = "127.0.0.1" if bind_host in ("0.0.0.0", "::", "") else bind_host.strip("[]")
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"

@@ -24,11 +24,11 @@ from openai import OpenAI
 from tool_call_model import ANSWER, BOTH, OSLO, PARIS, REPLIES, TOOLS, call_text, prompt_ids, tool_caller_dir
 
 from prime_composer.config.inference import InferenceConfig
-from prime_composer.inference.detokenize import IncrementalDetokenizer
+from prime_composer.inference.hf.detokenize import IncrementalDetokenizer
+from prime_composer.inference.hf.server import create_app
 from prime_composer.inference.local import running_app, running_server
 from prime_composer.inference.openai_routes import ServingState
 from prime_composer.inference.requests import ChoiceUpdate, GenerationRequest
-from prime_composer.inference.server import create_app
 from prime_composer.model.resolve import resolve_model_name
 
 MODEL = "builtin:tiny-qwen3"

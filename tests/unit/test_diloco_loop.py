@@ -1,4 +1,4 @@
-"""OuterLoop in a single DC (no network): schedule, outer step, merge, exact resume."""
+"""The shardcast outer loop in a single DC (no network): schedule, outer step, merge, exact resume."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from prime_composer.config.diloco import DilocoConfig, OuterOptimConfig
-from prime_composer.diloco.loop import OuterLoop
+from prime_composer.diloco.loop import ShardcastOuterLoop
 
 
 def _model() -> torch.nn.Module:
@@ -16,7 +16,9 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
 
 
-def _train(model: torch.nn.Module, outer: OuterLoop, opt: torch.optim.Optimizer, steps: range) -> list[bool]:
+def _train(
+    model: torch.nn.Module, outer: ShardcastOuterLoop, opt: torch.optim.Optimizer, steps: range
+) -> list[bool]:
     changed = []
     g = torch.Generator().manual_seed(steps.start)
     for step in steps:
@@ -31,7 +33,7 @@ def _train(model: torch.nn.Module, outer: OuterLoop, opt: torch.optim.Optimizer,
 def test_lr_one_no_momentum_single_dc_global_follows_local(tmp_path: Path) -> None:
     model = _model()
     cfg = DilocoConfig(sync_every=3, quantization="none", outer=OuterOptimConfig(lr=1.0, momentum=0.0))
-    outer = OuterLoop(cfg, model, tmp_path)
+    outer = ShardcastOuterLoop(cfg, model, None, tmp_path)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     changed = _train(model, outer, opt, range(3))
     assert changed == [False, False, True]
@@ -45,7 +47,7 @@ def test_outer_step_and_alpha_merge_by_hand(tmp_path: Path) -> None:
     with torch.no_grad():
         model.weight.fill_(1.0)
     cfg = DilocoConfig(sync_every=1, quantization="none", fragment_update_alpha=0.25)
-    outer = OuterLoop(cfg, model, tmp_path)
+    outer = ShardcastOuterLoop(cfg, model, None, tmp_path)
     with torch.no_grad():
         model.weight.fill_(0.8)  # an inner step moved the weight by -0.2
     assert outer.after_inner_step(0, 1, skipped=False)
@@ -58,7 +60,9 @@ def test_outer_step_and_alpha_merge_by_hand(tmp_path: Path) -> None:
 
 def test_skipped_updates_do_not_shift_the_schedule(tmp_path: Path) -> None:
     model = _model()
-    outer = OuterLoop(DilocoConfig(sync_every=4, num_fragments=2, quantization="none"), model, tmp_path)
+    outer = ShardcastOuterLoop(
+        DilocoConfig(sync_every=4, num_fragments=2, quantization="none"), model, None, tmp_path
+    )
     applied = []
     for step in range(12):
         skipped = step % 3 == 1
@@ -77,9 +81,13 @@ def test_resume_is_exact(tmp_path: Path, quantization: str) -> None:
         sync_every=4, num_fragments=2, fragment_sync_delay=1, quantization=quantization, error_feedback=True
     )
 
-    def fresh() -> tuple[torch.nn.Module, OuterLoop, torch.optim.Optimizer]:
+    def fresh() -> tuple[torch.nn.Module, ShardcastOuterLoop, torch.optim.Optimizer]:
         model = _model()
-        return model, OuterLoop(cfg, model, tmp_path), torch.optim.SGD(model.parameters(), lr=0.1)
+        return (
+            model,
+            ShardcastOuterLoop(cfg, model, None, tmp_path),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+        )
 
     model, outer, opt = fresh()
     _train(model, outer, opt, range(0, 5))

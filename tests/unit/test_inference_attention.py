@@ -1,11 +1,11 @@
-"""The grouped-query SDPA used by the server (inference/attention.py) against transformers' own sdpa."""
+"""The grouped-query SDPA used by the server (inference/hf/attention.py) against transformers' own sdpa."""
 
 from __future__ import annotations
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from prime_composer.inference.attention import gqa_sdpa_forward
+from prime_composer.inference.hf.attention import gqa_sdpa_forward
 
 
 class _Module(torch.nn.Module):

@@ -47,7 +47,7 @@ def test_secret_resolution(monkeypatch):
 
 
 def test_build_app_fails_before_loading_the_model(monkeypatch):
-    from prime_composer.inference.server import build_app
+    from prime_composer.inference.hf.server import build_app
 
     monkeypatch.setenv("PC_TEST_SECRET", "")
     config = InferenceConfig(

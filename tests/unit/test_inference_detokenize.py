@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from prime_composer.inference.detokenize import IncrementalDetokenizer
+from prime_composer.inference.hf.detokenize import IncrementalDetokenizer
 from prime_composer.model.resolve import resolve_model_name
 
 

@@ -1,4 +1,4 @@
-"""The continuous-batching decode loop (inference/engine.py) against plain full-sequence forwards.
+"""The continuous-batching decode loop (inference/hf/engine.py) against plain full-sequence forwards.
 
 The reference for every logprob is an independent computation: one forward of the Hugging Face
 model over prompt + completion (no cache, no padding), ``log_softmax(logits / T)`` at each
@@ -16,7 +16,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from prime_composer.inference.engine import MIN_SHARED_PREFIX, Engine
+from prime_composer.inference.hf.engine import MIN_SHARED_PREFIX, Engine
 from prime_composer.inference.requests import GenerationRequest, SamplingParams
 from prime_composer.model.resolve import resolve_model_name
 

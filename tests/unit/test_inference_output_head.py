@@ -1,4 +1,4 @@
-"""The prepacked output layer (inference/output_head.py): same logits as the model, used only then.
+"""The prepacked output layer (inference/hf/output_head.py): same logits as the model, used only then.
 
 References are independent: a float64 matrix product of the hidden states with the output
 layer's weight, and the Hugging Face model's own forward.
@@ -14,7 +14,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from prime_composer.inference.output_head import packed_output_head
+from prime_composer.inference.hf.output_head import packed_output_head
 from prime_composer.model.resolve import resolve_model_name
 
 

@@ -1,4 +1,4 @@
-"""Sampling and logprobs (inference/sampling.py) against hand-computed values."""
+"""Sampling and logprobs (inference/hf/sampling.py) against hand-computed values."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from prime_composer.inference.sampling import make_generator, sample_rows
+from prime_composer.inference.hf.sampling import make_generator, sample_rows
 
 CPU = torch.device("cpu")
 

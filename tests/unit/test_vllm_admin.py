@@ -182,9 +182,9 @@ class _IdleEngine:
 
 
 def _hf_client(root: Path, secret: str | None) -> TestClient:
+    from prime_composer.inference.hf.server import create_app
     from prime_composer.inference.openai_routes import ServingState
     from prime_composer.inference.preprocess import Preprocessor
-    from prime_composer.inference.server import create_app
 
     state = ServingState(
         engine=_IdleEngine(),  # type: ignore[arg-type]

@@ -26,6 +26,8 @@ from prime_composer.config.base import BaseConfig
 from prime_composer.netaddr import is_loopback
 
 Quantization = Literal["none", "int8", "int4"]
+DilocoBackend = Literal["shardcast", "torchft"]
+"""The outer-loop backends, each registered under its literal in ``diloco/base.py``."""
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -75,7 +77,7 @@ class DilocoConfig(BaseConfig):
     enabled: bool = False
     """Run the outer loop after the trainer's optimizer steps."""
 
-    backend: Literal["shardcast", "torchft"] = "shardcast"
+    backend: DilocoBackend = "shardcast"
     """``shardcast``: each DC serves its signed payloads over HTTP and downloads its peers' (works
     across the internet, through relays, with deadlines and agreed membership). ``torchft``:
     ``torchft.local_sgd.DiLoCo`` with a lighthouse, for DCs that reach each other directly

@@ -10,6 +10,9 @@ from pydantic import Field, field_validator
 from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, ModelConfig
 from prime_composer.tool_calls import DEFAULT_PARSER, PARSERS
 
+InferenceBackendName = Literal["hf", "vllm"]
+"""The serving backends, each registered under its literal in ``inference/backend.py``."""
+
 
 class VLLMConfig(BaseConfig):
     """Settings of the ``vllm`` backend only (ignored by ``hf``). The model, host, port, seed,
@@ -53,7 +56,7 @@ class VLLMConfig(BaseConfig):
 class InferenceConfig(BaseConfig):
     """The inference server: ``hf`` (embedded, CPU or GPU) or ``vllm``."""
 
-    backend: Literal["hf", "vllm"] = "hf"
+    backend: InferenceBackendName = "hf"
     """``hf``: the embedded transformers server (CPU or GPU); ``vllm``: launch vLLM's server."""
 
     host: str = "127.0.0.1"
@@ -129,6 +132,12 @@ class InferenceConfig(BaseConfig):
 
     vllm: VLLMConfig = VLLMConfig()
     """``vllm`` backend settings (interpreter, parallelism, memory, extra server arguments)."""
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs one replica of the server takes: vLLM's tensor-parallel shards; 0 for ``hf``, which
+        runs on the CPU or on the one device of ``device``."""
+        return self.vllm.tensor_parallel_size if self.backend == "vllm" else 0
 
     @field_validator("tool_call_parser", mode="before")
     @classmethod

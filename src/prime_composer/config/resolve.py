@@ -81,11 +81,7 @@ def _check_gpus(config: RLConfig, origins: dict[str, str]) -> None:
             f"{config.trainer.num_ranks}; the trainer runs one rank per GPU, so make them equal"
         )
     tensor_parallel = config.inference.vllm.tensor_parallel_size
-    if (
-        config.inference.backend == "vllm"
-        and "inference" in gpus
-        and len(gpus["inference"]) < tensor_parallel
-    ):
+    if "inference" in gpus and len(gpus["inference"]) < config.inference.num_gpus:
         raise ConfigError(
             f"{where}: launch.gpus.inference has {len(gpus['inference'])} GPUs but "
             f"inference.vllm.tensor_parallel_size = {tensor_parallel}; give it at least that many"

@@ -31,11 +31,12 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from prime_composer.config.diloco import DilocoConfig
+from prime_composer.diloco.base import Store
 from prime_composer.diloco.outer_optim import outer_step, weighted_average
 from prime_composer.diloco.payload import (
     GradPayload,
@@ -53,18 +54,6 @@ from prime_composer.diloco.quantize import dequantize
 logger = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_S = 2.0
-
-
-class Store(Protocol):
-    """Where payloads are published and fetched (``ShardcastStore``; tests may use others)."""
-
-    def publish(self, kind: Kind, round_: int, data: bytes) -> None: ...
-
-    def available(self, cluster: str, timeout_s: float) -> set[tuple[str, int]] | None: ...
-
-    def fetch(self, cluster: str, kind: Kind, round_: int, timeout_s: float) -> bytes | None: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass

@@ -1,13 +1,5 @@
-"""The Streaming DiLoCo outer loop, called by the trainer after every inner step.
-
-Usage (what the trainer does; the loss code never knows)::
-
-    outer = OuterLoop(cfg.diloco, model, work_dir=output_dir / "diloco")
-    for step in ...:
-        ...optimizer.step() (or skip a non-finite update)...
-        if outer.after_inner_step(step, num_tokens, skipped=not finite):
-            publish(step + 1)                 # the weights changed: inference must get them
-    outer.close()
+"""``backend = "shardcast"``: the Streaming DiLoCo outer loop, called by the trainer after every
+inner step (the ``OuterLoop`` contract of ``base.py``; the loss code never knows).
 
 State per fragment ``f`` (flat float32 CPU vectors): the global weights ``theta_f`` every DC
 agrees on, the outer momentum, and with error feedback the quantization residual. When a sync
@@ -27,34 +19,26 @@ a sync still in flight (it is re-run on resume).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from prime_composer.checkpoint_layout import marker_path, step_dir
 from prime_composer.config.diloco import DilocoConfig
-from prime_composer.diloco.exchange import Exchange, RoundResult, Store
+from prime_composer.diloco.base import Store, register_outer_loop
+from prime_composer.diloco.exchange import Exchange, RoundResult
 from prime_composer.diloco.fragments import Fragment, split_fragments
+from prime_composer.diloco.part import read_part, write_part
 from prime_composer.diloco.payload import encode, grad_body, tensor_digest
 from prime_composer.diloco.quantize import dequantize, quantize
 from prime_composer.diloco.schedule import FragmentSchedule
-from prime_composer.integrity import verify_manifest, write_manifest
-from prime_composer.io import atomic_write_text
 
 logger = logging.getLogger(__name__)
-
-CHECKPOINT_PART = "diloco"
-_STATE_FILE = "state.safetensors"
-_META_FILE = "meta.json"
 
 
 def read_secret(cfg: DilocoConfig) -> bytes | None:
@@ -87,33 +71,22 @@ def make_store(cfg: DilocoConfig, work_dir: Path, secret: bytes | None) -> Store
     )
 
 
-def build_outer_loop(
-    cfg: DilocoConfig, model: nn.Module, optimizer: torch.optim.Optimizer, work_dir: Path
-) -> Any:
-    """The outer loop of ``cfg.backend``: ``OuterLoop`` (shardcast) or ``TorchftOuterLoop``.
-
-    Both have ``after_inner_step``, ``state_dict``/``load_state_dict``, ``global_digest`` and
-    ``close``; torchft hooks ``optimizer`` itself, the shardcast loop does not need it."""
-    if cfg.backend == "torchft":
-        from prime_composer.diloco.torchft_backend import TorchftOuterLoop
-
-        return TorchftOuterLoop(cfg, model, optimizer)
-    return OuterLoop(cfg, model, work_dir)
-
-
-class OuterLoop:
-    """See the module docstring. ``store`` overrides the shardcast store (tests)."""
+@register_outer_loop("shardcast")
+class ShardcastOuterLoop:
+    """See the module docstring. ``optimizer`` is not used (the loop reads and writes the model's
+    weights); ``store`` overrides the shardcast store (tests)."""
 
     def __init__(
         self,
         cfg: DilocoConfig,
         model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
         work_dir: Path,
         store: Store | None = None,
         catch_up: bool = True,
     ) -> None:
         if cfg.backend != "shardcast":
-            raise ValueError('OuterLoop runs backend = "shardcast"; use diloco.torchft_backend for torchft')
+            raise ValueError(f'ShardcastOuterLoop runs backend = "shardcast", not {cfg.backend!r}')
         if any(hasattr(p, "to_local") for p in model.parameters()):
             raise ValueError(
                 'diloco with backend = "shardcast" runs on a DC with one trainer rank for now (its '
@@ -136,6 +109,7 @@ class OuterLoop:
         self.tokens = [0] * len(self.fragments)
         self.candidates = list(cfg.cluster_ids)
         self.last_metrics: dict[str, float] = {}
+        """``diloco/round`` and the exchange's metrics (``exchange.py``) of the newest round."""
         self.last_result: RoundResult | None = None
         """The newest round this DC applied (its members, committer, new global fragment)."""
         self._pending: tuple[int, bytes] | None = None
@@ -322,32 +296,13 @@ class OuterLoop:
             self._launch()
 
     def save(self, root: Path, step: int) -> Path:
-        """Write the ``diloco`` part of checkpoint ``step`` under ``root`` (tmp dir, manifest,
-        rename, then the ``diloco.STABLE`` marker)."""
-        state = self.state_dict()
-        tensors = {k: v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
-        meta = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
-        final = step_dir(root, step) / CHECKPOINT_PART
-        tmp = step_dir(root, step) / f".{CHECKPOINT_PART}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file(tensors, str(tmp / _STATE_FILE))
-        atomic_write_text(tmp / _META_FILE, json.dumps({"step": step, **meta}, indent=1) + "\n")
-        write_manifest(tmp)
-        marker = marker_path(root, step, CHECKPOINT_PART)
-        marker.unlink(missing_ok=True)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        atomic_write_text(marker, json.dumps({"step": step, "part": CHECKPOINT_PART}) + "\n")
-        return final
+        """Write the ``diloco`` part of checkpoint ``step`` under ``root`` (``part.write_part``)."""
+        return write_part(root, step, self.state_dict())
 
     def load(self, root: Path, step: int) -> None:
         """Restore the ``diloco`` part of checkpoint ``step``, verified against its manifest (see
         ``load_state_dict``)."""
-        directory = step_dir(root, step) / CHECKPOINT_PART
-        verify_manifest(directory)
-        meta = json.loads((directory / _META_FILE).read_text())
-        self.load_state_dict(meta | load_file(str(directory / _STATE_FILE)))
+        self.load_state_dict(read_part(root, step))
 
     def global_digest(self) -> str:
         """SHA-256 over every fragment's global weights (equal in every DC after a round)."""

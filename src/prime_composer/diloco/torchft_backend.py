@@ -18,21 +18,32 @@ Departures from the shardcast backend, all because torchft does them its way:
   ``optimizer.step()``) does not move it either;
 - no signed payloads: the process group is as trusted as the network it runs on.
 
+Its checkpoint part (``part.py``, the same files as the shardcast loop's) holds torchft's manager
+step, the inner step within the current fragment period, the fragments' global weights and outer
+momentum. A checkpoint taken inside a fragment's overlap window (``fragment_sync_delay > 0``,
+after the pseudo-gradient was taken and before it is applied) takes that fragment's
+pseudo-gradient again on load, from the restored local weights: every DC resuming from the same
+step does the same, so they still agree, but the result differs from an uninterrupted run there.
+
 Start the lighthouse first: ``torchft_lighthouse --bind 127.0.0.1:29510 --min_replicas N``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from prime_composer.config.diloco import DilocoConfig
+from prime_composer.diloco.base import register_outer_loop
 from prime_composer.diloco.fragments import Fragment, split_fragments
+from prime_composer.diloco.part import read_part, write_part
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +62,14 @@ class _FragmentModule(nn.Module):
         return iter(p for _, p in self._fragment_params)
 
 
+@register_outer_loop("torchft")
 class TorchftOuterLoop:
-    """``OuterLoop``'s interface over ``torchft.local_sgd.DiLoCo`` (see the module docstring)."""
+    """The ``OuterLoop`` contract over ``torchft.local_sgd.DiLoCo`` (see the module docstring);
+    ``work_dir`` is not used (torchft keeps its state in memory and heals over HTTP)."""
 
-    def __init__(self, cfg: DilocoConfig, model: nn.Module, inner_optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, cfg: DilocoConfig, model: nn.Module, inner_optimizer: torch.optim.Optimizer, work_dir: Path
+    ) -> None:
         from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
         from torchft.local_sgd import DiLoCo
@@ -111,6 +126,9 @@ class TorchftOuterLoop:
         self.diloco.__enter__()
         self._outer = outer
         self._synced = self.manager.current_step()
+        self.last_metrics: dict[str, float] = {}
+        """``diloco/round`` (torchft's outer step, from 0) and ``diloco/num_members`` of the newest
+        outer step this DC took part in."""
         os.environ.setdefault("TORCHFT_LIGHTHOUSE", cfg.torchft.lighthouse)
 
     def _replica_state(self) -> dict[str, Any]:
@@ -133,33 +151,66 @@ class TorchftOuterLoop:
         """True when torchft applied an outer step during this step's ``optimizer.step()``."""
         current = self.manager.current_step()
         changed, self._synced = current != self._synced, current
+        if changed:
+            self.last_metrics = {
+                "diloco/round": float(current - 1),
+                "diloco/num_members": float(self.manager.num_participants()),
+            }
         return changed
 
     def state_dict(self) -> dict[str, Any]:
-        """torchft's manager step and the fragments' global weights and outer optimizers."""
-        return {
-            "manager": self.manager.state_dict(),
-            "theta": self.theta,
-            "outer": [o.state_dict() for o in self._outer],
+        """Tensors and plain values (safetensors- and JSON-friendly) that resume this loop."""
+        manager = self.manager.state_dict()
+        state: dict[str, Any] = {
+            "manager_step": int(manager["step"]),
+            "batches_committed": int(manager["batches_committed"]),
+            "local_step": int(self.diloco._local_step),
         }
+        for f, theta in enumerate(self.theta):
+            state[f"theta.{f}"] = theta
+            for i, param_state in self._outer[f].state_dict()["state"].items():
+                if param_state.get("momentum_buffer") is not None:
+                    state[f"momentum.{f}.{i}"] = param_state["momentum_buffer"]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.manager.load_state_dict(state["manager"])
-        for fragment, torchft_fragment, theta in zip(
-            self.fragments, self.diloco._fragments, state["theta"], strict=True
+        """Restore ``state_dict()`` (after the model's weights)."""
+        self.manager.load_state_dict(
+            {"step": int(state["manager_step"]), "batches_committed": int(state["batches_committed"])}
+        )
+        for f, (fragment, torchft_fragment) in enumerate(
+            zip(self.fragments, self.diloco._fragments, strict=True)
         ):
-            offset = 0
+            theta, offset = state[f"theta.{f}"], 0
             for name in fragment.names:
                 backup = torchft_fragment.original_parameters[name]
                 backup.copy_(theta[offset : offset + backup.numel()].view_as(backup))
                 offset += backup.numel()
-        for o, s in zip(self._outer, state["outer"], strict=True):
-            o.load_state_dict(s)
+            outer = self._outer[f]
+            saved = outer.state_dict()
+            saved["state"] = {
+                i: {"momentum_buffer": state[f"momentum.{f}.{i}"].clone()}
+                for i in range(len(fragment.params))
+                if f"momentum.{f}.{i}" in state
+            }
+            outer.load_state_dict(saved)
+        self.diloco._local_step = int(state["local_step"])
         self._synced = self.manager.current_step()
+        period, delay = self.cfg.steps_per_fragment, self.cfg.fragment_sync_delay
+        if delay and period - delay <= self.diloco._local_step < period:
+            # Inside the overlap window: the pseudo-gradient taken before the save is gone.
+            self.manager.start_quorum()
+            self.diloco._fragments[self.diloco._current_fragment()].prepare_sync()
+
+    def save(self, root: Path, step: int) -> Path:
+        """Write the ``diloco`` part of checkpoint ``step`` (``part.write_part``)."""
+        return write_part(root, step, self.state_dict())
+
+    def load(self, root: Path, step: int) -> None:
+        """Restore the ``diloco`` part of checkpoint ``step``, verified against its manifest."""
+        self.load_state_dict(read_part(root, step))
 
     def global_digest(self) -> str:
-        import hashlib
-
         h = hashlib.sha256()
         for t in self.theta:
             h.update(t.numpy().tobytes())

@@ -35,8 +35,10 @@ import torch
 from torch import nn
 
 from prime_composer.config.diloco import DilocoConfig, PeerConfig
-from prime_composer.diloco.loop import build_outer_loop
+from prime_composer.diloco.base import build_outer_loop
+from prime_composer.diloco.loop import ShardcastOuterLoop
 from prime_composer.diloco.payload import tensor_digest
+from prime_composer.diloco.torchft_backend import TorchftOuterLoop
 
 
 def make_model(width: int, depth: int, seed: int = 0) -> nn.Module:
@@ -156,12 +158,14 @@ def main(argv: list[str] | None = None) -> None:
 
     t_start = time.monotonic()
     outer = build_outer_loop(cfg, model, optimizer, args.work_dir)
-    torchft = cfg.backend == "torchft"
-    if args.die_at_round is not None and not torchft and outer.store is not None:
-        _die_after_publishing(outer.store, args.die_at_round)
+    # The logs are per backend: shardcast's rounds carry members and committer, torchft's do not.
+    shardcast = outer if isinstance(outer, ShardcastOuterLoop) else None
+    torchft = outer if isinstance(outer, TorchftOuterLoop) else None
+    if args.die_at_round is not None and shardcast is not None and shardcast.store is not None:
+        _die_after_publishing(shardcast.store, args.die_at_round)
     compute_s = 0.0
     with open(args.out, "a") as log:
-        start = step = 0 if torchft else outer.num_updates
+        start = step = shardcast.num_updates if shardcast is not None else 0
         log.write(json.dumps({"start": True, "num_updates": start, "pid": os.getpid()}) + "\n")
         log.flush()
         while args.start_file is not None and not args.start_file.exists():
@@ -170,7 +174,10 @@ def main(argv: list[str] | None = None) -> None:
 
         def num_updates() -> int:
             # torchft: the manager's step (a healed DC takes its peer's), in inner updates.
-            return outer.manager.current_step() * cfg.steps_per_fragment if torchft else outer.num_updates
+            if torchft is not None:
+                return torchft.manager.current_step() * cfg.steps_per_fragment
+            assert shardcast is not None
+            return shardcast.num_updates
 
         while num_updates() < args.steps and not (args.stop_file is not None and args.stop_file.exists()):
             t0 = time.monotonic()
@@ -184,30 +191,30 @@ def main(argv: list[str] | None = None) -> None:
             compute_s += time.monotonic() - t0
             if args.step_sleep_s:
                 time.sleep(args.step_sleep_s)
-            before = None if torchft else outer.last_result
+            before = shardcast.last_result if shardcast is not None else None
             changed = outer.after_inner_step(step, args.batch, skipped=False)
             step += 1
-            if torchft and changed:
+            if torchft is not None and changed:
                 # torchft syncs fragment k % P at its k-th outer step; alpha 0: local == global.
                 record = {
-                    "round": outer.manager.current_step() - 1,
-                    "digest": outer.global_digest(),
-                    "members": outer.manager.num_participants(),
+                    "round": torchft.manager.current_step() - 1,
+                    "digest": torchft.global_digest(),
+                    "members": torchft.manager.num_participants(),
                     "t": round(time.monotonic() - t_start, 3),
                 }
                 log.write(json.dumps(record) + "\n")
                 log.flush()
             if args.die_at_step is not None and step == args.die_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
-            result = None if torchft else outer.last_result
-            if result is not None and result is not before:
+            result = shardcast.last_result if shardcast is not None else None
+            if shardcast is not None and result is not None and result is not before:
                 f = result.fragment
                 record = {
                     "round": result.round,
                     "fragment": f,
                     "members": result.members,
                     "committer": result.committer,
-                    "digest": tensor_digest(outer.theta[f]),
+                    "digest": tensor_digest(shardcast.theta[f]),
                     "loss": float(loss.detach()),
                     "t": round(time.monotonic() - t_start, 3),
                     "round_s": outer.last_metrics.get("diloco/round_s"),
@@ -221,9 +228,10 @@ def main(argv: list[str] | None = None) -> None:
             "compute_s": compute_s,
             "num_updates": num_updates(),
             "global_digest": outer.global_digest(),
-            "rejected": {} if torchft else dict(outer.exchange.rejected),
+            "rejected": dict(shardcast.exchange.rejected) if shardcast is not None else {},
         }
-        torch.save(torch.cat(outer.theta), args.work_dir / "theta.pt")
+        theta = shardcast.theta if shardcast is not None else torchft.theta if torchft is not None else []
+        torch.save(torch.cat(theta), args.work_dir / "theta.pt")
         log.write(json.dumps(done) + "\n")
         log.flush()
     while args.stop_file is not None and not args.stop_file.exists():

@@ -27,8 +27,6 @@ import contextlib
 import json
 import logging
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,8 @@ from typing import Any
 from prime_composer.config.errors import ConfigError
 from prime_composer.config.evaluate import EvalRunConfig, resolve_kwargs
 from prime_composer.config.inference import InferenceConfig
+from prime_composer.health import wait_healthy
+from prime_composer.netaddr import client_url
 
 logger = logging.getLogger(__name__)
 
@@ -70,20 +70,26 @@ def model_directory(config: EvalRunConfig, results_dir: Path) -> str:
 
 @contextlib.contextmanager
 def serving(inference: InferenceConfig, log_path: Path, gpus: list[int] | None = None) -> Iterator[str]:
-    """An inference server for ``inference``; yields its OpenAI base URL (``.../v1``). A vLLM child
-    sees only ``gpus`` (the run's ``launch.gpus.inference``) when given."""
-    if inference.backend == "hf":
-        from prime_composer.inference.local import running_server
+    """An inference server for ``inference``; yields its OpenAI base URL (``.../v1``). Inside this
+    process when the backend can (``hf``), else ``uv run inference`` as a child that sees only
+    ``gpus`` (the run's ``launch.gpus.inference``) when given."""
+    from prime_composer.inference.backend import get_backend
 
-        with running_server(inference) as url:
+    backend = get_backend(inference.backend)
+    try:
+        backend.check(inference)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    here = backend.in_process(inference)
+    if here is not None:
+        with here as url:
             yield f"{url}/v1"
         return
     from prime_composer.launch.process import ManagedProcess, ProcessSpec
 
     config_path = log_path.parent / "inference.json"
     config_path.write_text(json.dumps(inference.model_dump(mode="json"), indent=2))
-    host = "127.0.0.1" if inference.host in ("0.0.0.0", "::", "") else inference.host
-    url = f"http://{host}:{inference.port}"
+    url = client_url(inference.host, inference.port)
     process = ManagedProcess(
         ProcessSpec(
             name="inference",
@@ -95,24 +101,18 @@ def serving(inference: InferenceConfig, log_path: Path, gpus: list[int] | None =
     )
     process.start()
     try:
-        deadline = time.monotonic() + inference.vllm.startup_timeout_s
-        while not _healthy(f"{url}/health"):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"the inference server did not come up; its log ({log_path}):\n{process.tail()}"
-                )
-            time.sleep(1.0)
+        waited = wait_healthy(
+            f"{url}/health",
+            inference.vllm.startup_timeout_s,
+            give_up=lambda: None if process.poll() is None else "exited",
+        )
+        if not waited.healthy:
+            raise RuntimeError(
+                f"the inference server did not come up; its log ({log_path}):\n{process.tail()}"
+            )
         yield f"{url}/v1"
     finally:
         process.stop(30.0)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return bool(response.status == 200)
-    except OSError:
-        return False
 
 
 async def play(config: EvalRunConfig, base_url: str, model: str, tokenizer: Any) -> list[dict[str, Any]]:

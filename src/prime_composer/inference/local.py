@@ -1,4 +1,5 @@
-"""Run the hf server inside this process, on a free loopback port (tests, benchmarks, notebooks).
+"""Serve inside this process, on a free loopback port (``eval``, tests, benchmarks, notebooks):
+the ``hf`` server of a config (``running_server``) or any ASGI app (``running_app``).
 
 Usage::
 
@@ -17,17 +18,26 @@ from typing import Any
 
 from prime_composer.config.inference import InferenceConfig
 
+KEEP_ALIVE_S = 75
+"""Seconds an idle client connection stays open. Longer than httpx's pool expiry (5 s): with
+uvicorn's default of 5 s the server closes idle connections just as clients reuse them, and an
+unlucky request fails with a connection error (a lost rollout, seen between slow trainer steps)."""
+
 
 @contextmanager
-def running_server(config: InferenceConfig, startup_timeout_s: float = 300.0) -> Iterator[str]:
-    """Build the app for ``config`` and serve it on ``127.0.0.1``; yields the base URL.
+def running_server(config: InferenceConfig) -> Iterator[str]:
+    """The server of ``config.backend`` inside this process on ``127.0.0.1``; yields the base URL
+    (``config.host``/``config.port`` are not used for binding: see ``running_app``). A backend
+    that runs only as its own process (``vllm``) is a ``ValueError``."""
+    from prime_composer.inference.backend import get_backend
 
-    ``config.host``/``config.port`` are not used for binding (see ``running_app``).
-    """
-    from prime_composer.inference.server import build_app
-
-    app = build_app(config.model_copy(update={"host": "127.0.0.1"}))
-    with running_app(app, startup_timeout_s) as url:
+    server = get_backend(config.backend).in_process(config)
+    if server is None:
+        raise ValueError(
+            f"inference.backend = {config.backend!r} runs as its own process (uv run inference), "
+            "not inside this one"
+        )
+    with server as url:
         yield url
 
 
@@ -41,8 +51,6 @@ def running_app(app: Any, startup_timeout_s: float = 300.0) -> Iterator[str]:
     on a kept-alive connection waited ~40 ms for a delayed ACK (headers and body are two writes).
     """
     import uvicorn
-
-    from prime_composer.inference.server import KEEP_ALIVE_S
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -3,8 +3,9 @@
     uv run inference @ outputs/run/configs/inference.json
     uv run inference --model.name builtin:tiny-qwen3 --port 8000
 
-``backend = "hf"`` serves with the embedded transformers engine (``server.py``);
-``backend = "vllm"`` launches vLLM with our weight-update extension (``vllm/``).
+``inference.backend`` picks the server from the registry (``backend.py``): ``hf`` serves with
+the embedded transformers engine (``hf/``), ``vllm`` launches vLLM with our weight-update
+extension (``vllm/``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def run(config: InferenceConfig) -> int:
 
         serve_vllm(config)
     else:
-        from prime_composer.inference.server import serve
+        from prime_composer.inference.hf.server import serve
 
         serve(config)
     return 0

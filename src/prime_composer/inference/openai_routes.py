@@ -39,7 +39,6 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
-from prime_composer.inference.engine import Engine
 from prime_composer.inference.guard import APIError
 from prime_composer.inference.preprocess import Preprocessor
 from prime_composer.inference.protocol import (
@@ -49,7 +48,7 @@ from prime_composer.inference.protocol import (
     neutral_options_error,
     sampling_params,
 )
-from prime_composer.inference.requests import ChoiceUpdate, GenerationRequest
+from prime_composer.inference.requests import ChoiceUpdate, Decoder, GenerationRequest
 from prime_composer.inference.tools import ReplyReader, ToolCallStats, ToolPlan, plan_tools
 from prime_composer.tool_calls import DEFAULT_PARSER
 
@@ -60,10 +59,10 @@ LOGPROB_FLOOR = -9999.0
 
 @dataclass
 class ServingState:
-    """What the routes need: the engine, the tokenizer, the preprocessor and the served model's
-    identity."""
+    """What the routes need: the decoder (the ``hf`` backend's ``Engine``), the tokenizer, the
+    preprocessor and the served model's identity."""
 
-    engine: Engine
+    engine: Decoder
     tokenizer: Any
     served_model_name: str
     model_root: str

@@ -1,8 +1,11 @@
-"""What the server hands the decode loop and what it gets back, per request and per choice."""
+"""What the server hands the decode loop and what it gets back, per request and per choice, and
+the ``Decoder`` contract the OpenAI routes serve from (the ``hf`` backend's ``Engine``)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -51,3 +54,20 @@ class ChoiceUpdate:
 
 class EngineError(RuntimeError):
     """A request failed inside the decode loop (the server answers 500 and keeps serving)."""
+
+
+class Decoder(Protocol):
+    """A decode loop the OpenAI routes (``openai_routes.py``) generate with."""
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt plus completion tokens one sequence may hold."""
+        ...
+
+    def check_request(self, request: GenerationRequest) -> None:
+        """Raise ``ValueError`` for a request this decoder cannot run (before it is queued)."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[list[ChoiceUpdate]]:
+        """The request's updates, one list per iteration of the loop, until every choice finishes."""
+        ...

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import signal
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from prime_composer.health import wait_healthy
 from prime_composer.launch.process import ManagedProcess, ProcessSpec
 
 
@@ -103,22 +102,24 @@ class Launcher:
 
     def _wait_healthy(self, proc: ManagedProcess) -> LaunchResult | None:
         assert proc.spec.health_url is not None
-        deadline = time.monotonic() + self.health_timeout_s
-        while time.monotonic() < deadline:
-            if (stop := self._interrupted()) is not None:
-                return stop
-            if (code := proc.poll()) is not None:
-                return self._failure(proc, f"exited with code {code} before it was healthy")
-            try:
-                with urllib.request.urlopen(proc.spec.health_url, timeout=2) as response:
-                    if response.status == 200:
-                        return None
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            time.sleep(self.poll_s)
+
+        def give_up() -> str | None:
+            if self._signal is not None:
+                return "interrupted"
+            code = proc.poll()
+            return None if code is None else f"exited with code {code} before it was healthy"
+
+        waited = wait_healthy(
+            proc.spec.health_url, self.health_timeout_s, poll_s=self.poll_s, give_up=give_up
+        )
+        if waited.healthy:
+            return None
+        if (stop := self._interrupted()) is not None:
+            return stop
         return self._failure(
             proc,
-            f"did not answer {proc.spec.health_url} within {self.health_timeout_s:.0f} s "
+            waited.reason
+            or f"did not answer {proc.spec.health_url} within {self.health_timeout_s:.0f} s "
             f"(raise launch.health_timeout_s if it is just slow to start)",
         )
 

@@ -4,30 +4,18 @@ Each child runs in a new session (process group), so the launcher can signal the
 (torchrun and its ranks, a vLLM server and its workers) at once, and a Ctrl-C in the terminal
 reaches only the launcher, which then stops the children in order. On Linux each child also
 asks the kernel to send it SIGTERM if the launcher dies, so even a SIGKILLed launcher leaves no
-orphans behind.
+orphans behind (``process_group.py``, shared with the vLLM backend).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
-import signal
 import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """``preexec_fn`` for children: runs between fork and exec and asks the kernel to SIGTERM the
-    child when this process dies, even by SIGKILL (Linux only; elsewhere a no-op)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+from prime_composer.process_group import die_with_parent, stop_group
 
 
 @dataclass
@@ -71,23 +59,7 @@ class ManagedProcess:
 
     def stop(self, timeout_s: float) -> int | None:
         """SIGTERM the whole process group, then SIGKILL it after ``timeout_s``."""
-        if self.popen is None:
-            return None
-        if self.popen.poll() is None:
-            self._signal_group(signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            while self.popen.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-        # The leader may be gone while children of its group linger (e.g. torchrun's ranks).
-        self._signal_group(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=timeout_s)
-        return self.popen.returncode
-
-    def _signal_group(self, sig: signal.Signals) -> None:
-        assert self.popen is not None
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, sig)
+        return None if self.popen is None else stop_group(self.popen, timeout_s)
 
     def tail(self, num_lines: int = 20) -> str:
         try:

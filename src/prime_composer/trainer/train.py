@@ -33,7 +33,7 @@ import torch
 from prime_composer.checkpoint_layout import prune_part, resume_step
 from prime_composer.config.errors import RunError
 from prime_composer.config.trainer import TrainerConfig
-from prime_composer.diloco.loop import build_outer_loop
+from prime_composer.diloco.base import OuterLoop, build_outer_loop
 from prime_composer.metrics import MetricsLogger
 from prime_composer.trainer.checkpoint import CheckpointManager
 from prime_composer.trainer.export import export_final
@@ -80,7 +80,7 @@ class Trainer:
         self.ckpt = CheckpointManager(config.output_dir / "checkpoints", config.ckpt.keep, world)
         # The outer loop wraps the step from outside: after each optimizer step it may move the
         # weights (an outer step), which the publish that follows then serves.
-        self.outer = (
+        self.outer: OuterLoop | None = (
             build_outer_loop(config.diloco, self.model, self.optimizer, config.output_dir / "diloco")
             if config.diloco.enabled
             else None

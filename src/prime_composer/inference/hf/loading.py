@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from prime_composer.config.base import ModelConfig
-from prime_composer.inference import attention
+from prime_composer.inference.hf import attention
 from prime_composer.model.resolve import resolve_model_name
 
 logger = logging.getLogger(__name__)

@@ -38,22 +38,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.inference.auth import resolve_admin_secret
-from prime_composer.inference.engine import Engine
 from prime_composer.inference.guard import DEFAULT_MAX_BODY_BYTES, APIError, RequestGuard, error_response
+from prime_composer.inference.hf.engine import Engine
+from prime_composer.inference.local import KEEP_ALIVE_S
 from prime_composer.inference.openai_routes import ServingState, openai_router
 from prime_composer.inference.preprocess import Preprocessor
 from prime_composer.inference.requests import EngineError
-from prime_composer.inference.weight_paths import WeightPathError, checked_step_dir, update_path_from_body
-from prime_composer.transport.adapter import is_adapter, load_adapter
-from prime_composer.transport.weights import load_weights, parse_step
+from prime_composer.inference.weight_updates import WeightUpdates
+from prime_composer.transport.adapter import load_adapter
+from prime_composer.transport.weights import load_weights
 
 logger = logging.getLogger(__name__)
-
-
-KEEP_ALIVE_S = 75
-"""Seconds an idle client connection stays open. Longer than httpx's pool expiry (5 s): with
-uvicorn's default of 5 s the server closes idle connections just as clients reuse them, and an
-unlucky request fails with a connection error (a lost rollout, seen between slow trainer steps)."""
 
 
 def broadcast_root(config: InferenceConfig) -> Path:
@@ -63,16 +58,12 @@ def broadcast_root(config: InferenceConfig) -> Path:
 
 def build_app(config: InferenceConfig) -> FastAPI:
     """Load the model and return the app (the decode loop starts with the app's lifespan)."""
-    if config.backend != "hf":
-        raise ValueError(
-            f"inference.backend = {config.backend!r}: build_app serves the embedded 'hf' backend only"
-        )
     # Fail on a missing secret before spending time loading the model.
     secret = resolve_admin_secret(config.host, config.secret_env)
 
     import torch
 
-    from prime_composer.inference.loading import load_model_and_tokenizer, max_context, resolve_device
+    from prime_composer.inference.hf.loading import load_model_and_tokenizer, max_context, resolve_device
 
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
@@ -128,12 +119,12 @@ def create_app(
     app.add_middleware(RequestGuard, secret=secret, max_body_bytes=max_request_bytes)
     app.include_router(openai_router(state))
     _install_error_handlers(app)
-    update_lock = asyncio.Lock()
-    current: dict[str, Any] = {"path": None, "step": None}
+    updates = WeightUpdates(weights_root)
+    weights = _EngineWeights(engine)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": state.served_model_name, "weights": dict(current)}
+        return {"status": "ok", "model": state.served_model_name, "weights": dict(updates.current)}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -141,23 +132,40 @@ def create_app(
 
     @app.post("/update_weights")
     async def update_weights(request: Request) -> dict[str, Any]:
-        try:
-            path = checked_step_dir(update_path_from_body(await request.body()), weights_root)
-        except WeightPathError as e:
-            raise APIError(e.status, e.message) from None
-        async with update_lock:
-            state_dict = await _load_checked(path)
-            await engine.update_weights(state_dict)
-            current.update(path=str(path), step=parse_step(path))
-        logger.info("serving weights from %s", path)
-        return {"status": "ok", **current}
+        return await updates.update(await request.body(), weights)
 
-    async def _load_checked(path: Path) -> Any:
-        """The state dict of a published step; every content problem is a 409 naming it."""
+    @app.post("/reload_weights")
+    async def reload_weights() -> dict[str, Any]:
+        return await updates.reload(weights)
+
+    return app
+
+
+class _EngineWeights:
+    """The ``WeightTarget`` of the hf server: files are read and verified on a thread (the engine
+    keeps decoding), then swapped in between two iterations of the decode loop."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def load_weights(self, path: Path) -> None:
+        state_dict = await self._checked(path, adapter=False)
+        await self.engine.update_weights(state_dict)
+
+    async def load_adapter(self, path: Path) -> None:
+        state_dict = await self._checked(path, adapter=True)
+        await self.engine.update_weights(state_dict)
+
+    async def reload_base(self) -> None:
+        await self.engine.update_weights(None)
+
+    async def _checked(self, path: Path, adapter: bool) -> Any:
+        """The state dict to serve for a published step (an adapter merged onto the base weights);
+        every content problem is a 409 naming it."""
         try:
-            if is_adapter(path):  # a LoRA step: merged onto the base weights here
-                adapter = await asyncio.to_thread(load_adapter, path)
-                state_dict = await asyncio.to_thread(engine.adapter_state_dict, adapter)
+            if adapter:
+                loaded = await asyncio.to_thread(load_adapter, path)
+                state_dict = await asyncio.to_thread(self.engine.adapter_state_dict, loaded)
             else:
                 state_dict = await asyncio.to_thread(load_weights, path)
         except FileNotFoundError as e:  # pruned by the trainer since the path was checked
@@ -165,20 +173,10 @@ def create_app(
         except Exception as e:  # digest mismatch, NaN/inf, unreadable safetensors, ...
             raise APIError(409, f"refused the weights in {path}: {type(e).__name__}: {e}") from None
         try:
-            engine.check_state_dict(state_dict)
+            self.engine.check_state_dict(state_dict)
         except ValueError as e:
             raise APIError(409, f"refused the weights in {path}: {e}") from None
         return state_dict
-
-    @app.post("/reload_weights")
-    async def reload_weights() -> dict[str, Any]:
-        async with update_lock:
-            await engine.update_weights(None)
-            current.update(path=None, step=None)
-        logger.info("serving the base weights again")
-        return {"status": "ok", **current}
-
-    return app
 
 
 def _check_tool_format(tokenizer: Any, parser_name: str | None) -> None:
