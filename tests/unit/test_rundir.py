@@ -7,19 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from prime_composer.checkpoint_layout import marker_path, step_dir
+from prime_composer.checkpoint_layout import StepCheckpoints, step_dir
 from prime_composer.config.errors import ConfigError
-from prime_composer.integrity import write_manifest
 from prime_composer.launch.rundir import prepare_fresh, prepare_resume
 
 
 def complete_checkpoint(out: Path, step: int) -> None:
+    steps = StepCheckpoints(out / "checkpoints", keep=10)
     for part in ("trainer", "orchestrator"):
-        directory = step_dir(out / "checkpoints", step) / part
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "state.json").write_text(json.dumps({"part": part, "step": step}))
-        write_manifest(directory)
-        marker_path(out / "checkpoints", step, part).write_text("")
+        steps.write_part(
+            step,
+            part,
+            lambda tmp, p=part: (tmp / "state.json").write_text(json.dumps({"part": p, "step": step})),
+        )
 
 
 def test_fresh_start_refuses_to_delete_checkpoints_without_overwrite(tmp_path: Path) -> None:
@@ -79,11 +79,24 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_says_why(tmp_path: Path
     state = step_dir(tmp_path / "checkpoints", 6) / "orchestrator" / "state.json"
     state.write_text(state.read_text().replace("6", "9"))  # same size, other contents
     (step_dir(tmp_path / "checkpoints", 4) / "trainer" / "state.json").unlink()
+    # Asking for the damaged step by name is an error that names the file, not a fallback.
+    with pytest.raises(ConfigError, match=r"resume_step = 6.*state\.json.*corrupted"):
+        prepare_resume(tmp_path, 6)
     point = prepare_resume(tmp_path, None)
     assert point.step == 2
     assert [s for s, _ in point.skipped] == [6, 4]
     assert "orchestrator/state.json" in point.skipped[0][1] and "corrupted" in point.skipped[0][1]
     assert "trainer/state.json" in point.skipped[1][1] and "missing" in point.skipped[1][1]
-    # Asking for the damaged step by name is an error that names the file, not a fallback.
-    with pytest.raises(ConfigError, match=r"resume_step = 6.*state\.json.*corrupted"):
-        prepare_resume(tmp_path, 6)
+    # The newer steps belong to the abandoned run: gone, so the resumed run writes them afresh.
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
+
+
+def test_resume_drops_newer_steps_that_hold_one_part_only(tmp_path: Path) -> None:
+    """A full disk stopped the trainer's part of step 4 while the orchestrator wrote steps 4 and 6."""
+    complete_checkpoint(tmp_path, 2)
+    steps = StepCheckpoints(tmp_path / "checkpoints", keep=2)
+    for step in (4, 6):
+        steps.write_part(step, "orchestrator", lambda tmp: (tmp / "state.json").write_text("{}"))
+    assert prepare_resume(tmp_path, None).step == 2
+    assert not step_dir(tmp_path / "checkpoints", 4).exists()
+    assert not step_dir(tmp_path / "checkpoints", 6).exists()

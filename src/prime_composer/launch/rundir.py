@@ -4,7 +4,7 @@ A fresh start must not mix with files of an earlier run (a trainer reading a sta
 ``rollouts/step_0``, a plot mixing two runs), so it clears them, and refuses to delete
 checkpoints unless asked (``launch.overwrite``). A resume from step N keeps the checkpoints,
 removes what the interrupted run produced for steps >= N (rollouts, newer weights, metric
-lines), so every step is produced and logged exactly once.
+lines, newer checkpoint steps), so every step is produced and logged exactly once.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from pathlib import Path
 from prime_composer.checkpoint_layout import (
     DEFAULT_PARTS,
     ResumePoint,
+    all_steps,
     complete_steps,
     find_resume_point,
     parse_step_dir,
+    remove_step,
 )
 from prime_composer.config.errors import ConfigError
 from prime_composer.io import atomic_write_text
@@ -48,6 +50,11 @@ def prepare_resume(
     the newer ones it skipped and why)."""
     point = find_resume_point(output_dir / "checkpoints", requested_step, parts)
     step = point.step
+    # Newer checkpoint steps are the interrupted run's future: parts the other process never
+    # matched (a full disk), or steps that did not verify. The resumed run writes them again.
+    for newer in all_steps(output_dir / "checkpoints"):
+        if newer > step:
+            remove_step(output_dir / "checkpoints", newer)
     for path in _step_dirs(output_dir / "rollouts"):
         if (parse_step_dir(path) or 0) >= step:
             shutil.rmtree(path)

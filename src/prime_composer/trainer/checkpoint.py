@@ -7,24 +7,23 @@ Layout (the orchestrator and DiLoCo write their own parts next to the trainer's)
                                         torch.distributed.checkpoint (DCP) format
         scheduler.pt                    LR scheduler state (identical on every rank)
         rng/rank_<R>.pt                 python / numpy / torch (/ cuda) RNG states of rank R
-        meta.json                       {"step", "world_size", "extra", "states", ...}
-    <root>/step_<N>/trainer.STABLE      written last: "the trainer part of step N is complete"
-    <root>/step_<N>/orchestrator/ + orchestrator.STABLE, ...
+        meta.json                       {"step", "world_size", "extra", "states", "model", ...}
+    <root>/step_<N>/trainer.STABLE      "the trainer part of step N is written"
+    <root>/step_<N>/orchestrator/ + orchestrator.STABLE, diloco/ + diloco.STABLE
+    <root>/step_<N>/STABLE              "step N is complete": every part written and verified
 
-A step is resumable when every part a process needs has its ``<part>.STABLE`` marker
-(``latest_complete_step(root, parts=("trainer", "orchestrator"))``; the layout helpers live in
-``prime_composer.checkpoint_layout``, torch-free, so the orchestrator shares them). Markers are per part
-because the parts are written by different processes at different times; one step-wide marker
-would need them to agree on who writes it last.
+Parts are published, committed and pruned through one manager, ``checkpoint_layout.StepCheckpoints``
+(torch-free, so the orchestrator's part goes through it too): a step is resumable only once every
+part of the run is written and verifies, and steps are deleted as units, so a full disk that stops
+one part never leaves a step that holds the other parts only.
 
 Atomicity: every rank writes into ``<root>/step_<N>/.trainer.tmp/``; after a barrier rank 0
 writes ``MANIFEST.json`` (size and SHA-256 of every file: ``prime_composer.integrity``), renames
-the directory to ``trainer/`` and only then writes ``trainer.STABLE``. A crash at any point leaves
-either no marker (never loaded) or a complete part. Deleting goes in the opposite order (marker
-first), so a half-deleted checkpoint is never mistaken for a complete one. Loading verifies the
-manifest first, so a truncated, zeroed or missing file is an error naming it, never different
-weights. A save that fails (a full disk) removes its partial files and says which checkpoint is
-still intact.
+the directory to ``trainer/``, writes ``trainer.STABLE`` and commits the step if the other parts
+are there. A crash at any point leaves either no marker (never loaded) or a complete part.
+Loading verifies the manifest first, so a truncated, zeroed or missing file is an error naming
+it, never different weights. A save that fails (a full disk) removes its partial files and says
+which checkpoint is still intact.
 
 Why DCP for model and optimizer: each rank writes only its own FSDP2 shards, in parallel, with no
 gather of the full model *and* its two AdamW moments into rank 0's memory (3x the model in fp32,
@@ -58,12 +57,13 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from prime_composer.checkpoint_layout import (
+    CheckpointWriteError,
+    StepCheckpoints,
     all_steps,
     complete_steps,
     is_complete,
     latest_complete_step,
     marker_path,
-    prune_part,
     step_dir,
 )
 from prime_composer.integrity import verify_manifest, write_manifest
@@ -80,6 +80,7 @@ RNG_DIR = "rng"
 
 __all__ = [
     "CheckpointManager",
+    "CheckpointWriteError",
     "all_steps",
     "complete_steps",
     "is_complete",
@@ -89,22 +90,26 @@ __all__ = [
 ]
 
 
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (its partial files are gone; older checkpoints are intact)."""
-
-
 class CheckpointManager:
     """Saves and loads one part (default ``trainer``) of the step checkpoints under ``root``.
 
     ``save`` and ``load`` are collective under FSDP: every rank calls them with the same step.
-    ``root`` must be a filesystem every rank sees (each rank writes its own shards).
+    ``root`` must be a filesystem every rank sees (each rank writes its own shards). ``parts``: every
+    part a step of the run has (``ckpt.parts``; default: this part alone), so that the step is
+    committed only when all of them are written.
     """
 
-    def __init__(self, root: Path, keep: int, world: World, part: str = "trainer") -> None:
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1 (how many complete checkpoints to keep), got {keep}")
+    def __init__(
+        self,
+        root: Path,
+        keep: int,
+        world: World,
+        part: str = "trainer",
+        parts: tuple[str, ...] | None = None,
+    ) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_-]+", part):
             raise ValueError(f"checkpoint part name {part!r} must be letters, digits, '_' or '-'")
+        self.steps = StepCheckpoints(root, keep, tuple(dict.fromkeys((part, *(parts or ())))))
         self.root = Path(root)
         self.keep = keep
         self.world = world
@@ -139,28 +144,18 @@ class CheckpointManager:
             ) from e
 
         started = time.perf_counter()
-        final = step_dir(self.root, step) / self.part
-        tmp = step_dir(self.root, step) / f".{self.part}.tmp"
+        tmp = self.steps.tmp_dir(step, self.part)
         try:
             self._write(tmp, step, model, optimizer, scheduler, extra, states)
+            # Rank 0 publishes (rename, marker) and commits the step if the other parts are there.
+            if self.world.is_main:
+                self.steps.publish(step, self.part)
         except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
             # e.g. no space left on the device (torch.save reports it as a RuntimeError from its zip
             # writer, DCP wraps that in its own exception): leave no partial files, say what is intact.
-            shutil.rmtree(tmp, ignore_errors=True)
-            intact = complete_steps(self.root, (self.part,))
-            raise CheckpointWriteError(
-                f"the {self.part} checkpoint of step {step} could not be written under {tmp.parent} "
-                f"({type(e).__name__}: {e}); its partial files were removed; the newest complete checkpoint is "
-                f"{f'step {intact[-1]}' if intact else 'none'}. Free space (or lower ckpt.keep) and resume"
-            ) from e
+            raise self.steps.failed(step, self.part, e) from e
+        final = step_dir(self.root, step) / self.part
         if self.world.is_main:
-            marker = marker_path(self.root, step, self.part)
-            if final.exists():
-                marker.unlink(missing_ok=True)  # no longer complete before it changes
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            atomic_write_text(marker, json.dumps({"step": step, "part": self.part}) + "\n")
-            self._prune(keep_also=step)
             logger.info(
                 "saved %s checkpoint of step %d in %.1fs: %s",
                 self.part,
@@ -214,9 +209,12 @@ class CheckpointManager:
             write_manifest(tmp)
             logger.info("checkpoint digests of step %d: %.2f s", step, time.perf_counter() - started)
 
-    def _prune(self, keep_also: int) -> None:
-        """Keep this part of the newest ``keep`` complete steps (``checkpoint_layout.prune_part``)."""
-        prune_part(self.root, self.part, self.keep, keep_also)
+    def commit(self, step: int) -> bool:
+        """Commit ``step`` once a part written outside this manager is in place too (the DiLoCo part:
+        ``OuterLoop.save``); collective. Returns whether the step is complete."""
+        committed = self.steps.commit(step) if self.world.is_main else False
+        self.world.barrier()
+        return committed
 
     # ------------------------------------------------------------------------------------- load
 

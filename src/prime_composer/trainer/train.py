@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from prime_composer.checkpoint_layout import prune_part, resume_step
+from prime_composer.checkpoint_layout import resume_step
 from prime_composer.config.errors import RunError
 from prime_composer.config.trainer import TrainerConfig
 from prime_composer.diloco.loop import build_outer_loop
@@ -77,7 +77,9 @@ class Trainer:
         make_copy = self._load_and_shard if world.is_distributed else None
         self.terms_context = TermContext(self.model, make_copy=make_copy, world_size=world.world_size)
         self.terms = build_terms(config.loss, self.terms_context)
-        self.ckpt = CheckpointManager(config.output_dir / "checkpoints", config.ckpt.keep, world)
+        self.ckpt = CheckpointManager(
+            config.output_dir / "checkpoints", config.ckpt.keep, world, parts=config.ckpt.parts
+        )
         # The outer loop wraps the step from outside: after each optimizer step it may move the
         # weights (an outer step), which the publish that follows then serves.
         self.outer = (
@@ -153,7 +155,7 @@ class Trainer:
         if self.outer is not None:
             root = self.config.output_dir / "checkpoints"
             self.outer.save(root, step)
-            prune_part(root, "diloco", self.config.ckpt.keep, keep_also=step)
+            self.ckpt.commit(step)  # the step is complete once the DiLoCo part is there too
 
     def _checkpoint_states(self) -> dict[str, Any]:
         """State saved beside model and optimizer: the policy copies the loss terms made (an EMA or
