@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from prime_composer.checkpoint_layout import StepCheckpoints, step_dir
 from prime_composer.config.errors import ConfigError
-from prime_composer.launch.rundir import prepare_fresh, prepare_resume
+from prime_composer.launch.rundir import LOCK_NAME, lock_run_dir, prepare_fresh, prepare_resume
 
 
 def complete_checkpoint(out: Path, step: int) -> None:
@@ -100,3 +103,45 @@ def test_resume_drops_newer_steps_that_hold_one_part_only(tmp_path: Path) -> Non
     assert prepare_resume(tmp_path, None).step == 2
     assert not step_dir(tmp_path / "checkpoints", 4).exists()
     assert not step_dir(tmp_path / "checkpoints", 6).exists()
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from prime_composer.launch.rundir import lock_run_dir
+lock = lock_run_dir(Path(sys.argv[1]), command="uv run rl @ first.toml")
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def _hold(output_dir: Path) -> subprocess.Popen[str]:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(output_dir)], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_a_second_run_on_a_live_run_dir_is_refused_naming_the_first(tmp_path: Path) -> None:
+    holder = _hold(tmp_path)
+    try:
+        with pytest.raises(ConfigError, match=rf"in use by a live run \(pid {holder.pid} on .*first\.toml"):
+            lock_run_dir(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_lock_of_a_run_that_died_is_taken_over(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    holder = _hold(tmp_path)
+    holder.kill()  # SIGKILL: no chance to release
+    holder.wait()
+    lock = lock_run_dir(tmp_path, command="second")
+    assert f"stale lock of a run that is gone (pid {holder.pid}" in capsys.readouterr().out
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    lock_run_dir(tmp_path).release()  # released: free again, and an emptied lock is not "stale"
+    assert "stale" not in capsys.readouterr().out

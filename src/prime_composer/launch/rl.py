@@ -36,7 +36,7 @@ from prime_composer.launch.launcher import Launcher, LaunchResult
 from prime_composer.launch.preflight import preflight
 from prime_composer.launch.process import ProcessSpec
 from prime_composer.launch.progress import Progress
-from prime_composer.launch.rundir import prepare_fresh, prepare_resume
+from prime_composer.launch.rundir import lock_run_dir, prepare_fresh, prepare_resume
 from prime_composer.report import summary, write_report_png
 
 
@@ -166,6 +166,15 @@ def _use_model(config: RLConfig, path: Path) -> None:
 
 def launch(config: RLConfig, argv: Sequence[str]) -> int:
     preflight(config)
+    # One run per directory: taken before anything in it is read or deleted, held to the end.
+    lock = lock_run_dir(config.output_dir, command="uv run rl " + shlex.join(argv))
+    try:
+        return _launch_locked(config, argv)
+    finally:
+        lock.release()
+
+
+def _launch_locked(config: RLConfig, argv: Sequence[str]) -> int:
     output_dir = config.output_dir
     resuming = config.ckpt.resume or config.ckpt.resume_step is not None
     if resuming:
