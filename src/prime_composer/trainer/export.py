@@ -297,7 +297,12 @@ def _load_tokenizer(base: ModelConfig) -> Any:
 
 def export_checkpoint(config: Any) -> Path:
     """``rl export``: the model directory (and card) of ``config.checkpoint`` (default: the newest
-    complete checkpoint of the run) in ``config.export_dir`` (default: ``<output_dir>/final``)."""
+    complete checkpoint of the run) in ``config.export_dir`` (default: ``<output_dir>/final``).
+
+    Never clobbers: an existing target is refused unless ``config.force``. The input is verified
+    first (its manifest), the whole result is written into a hidden sibling directory and renamed
+    into place, so a failed export leaves the target as it was and no file of an earlier model
+    (a stale sharded index) mixes in."""
     from prime_composer.checkpoint_layout import latest_complete_step, step_dir
     from prime_composer.trainer.model_card import write_model_card
 
@@ -310,17 +315,61 @@ def export_checkpoint(config: Any) -> Path:
             raise ValueError(f"no complete trainer checkpoint under {root}: give --checkpoint <dir>")
         checkpoint = step_dir(root, step)
     out = Path(config.export_dir) if config.export_dir is not None else output_dir / FINAL_DIR
-    if checkpoint_kind(checkpoint) == "hf" and Path(checkpoint).resolve() != out.resolve():
-        shutil.copytree(checkpoint, out, dirs_exist_ok=True)
-    else:
-        path = to_hf_directory(checkpoint, config.model, out)
-        assert path == out
-    write_model_card(out, output_dir)
+    kind = checkpoint_kind(checkpoint)
+    if kind == "hf" and Path(checkpoint).resolve() == out.resolve():
+        write_model_card(out, output_dir)  # exporting a model directory onto itself: the card only
+        return out
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ValueError(f"export_dir = '{out}' exists and is not a directory: choose another --export-dir")
+    if out.exists() and not config.force:
+        raise ValueError(
+            f"export_dir = '{out}' already exists: pass --force to replace it (its files are deleted), "
+            "or choose another --export-dir"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        model_dir = staging / "model"
+        if kind == "hf":
+            _verify_model_directory(Path(checkpoint))
+            shutil.copytree(checkpoint, model_dir)
+        else:
+            path = to_hf_directory(checkpoint, config.model, model_dir)
+            assert path == model_dir
+        write_model_card(model_dir, output_dir)
+        write_manifest(model_dir)  # of exactly what was written, card included
+        model_dir.chmod(0o755)
+        if out.exists():  # --force: the old directory goes only once the new one is complete
+            os.replace(out, staging / "old")
+        os.replace(model_dir, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
+def _verify_model_directory(directory: Path) -> None:
+    """Check a model directory before copying it: its files against its ``MANIFEST.json`` (every
+    directory this project writes has one); without one, that each weights file's header reads."""
+    from prime_composer.integrity import MANIFEST_NAME, verify_manifest
+
+    if (directory / MANIFEST_NAME).is_file():
+        verify_manifest(directory)
+        return
+    logger.warning("%s has no %s: only its weights files' headers are checked", directory, MANIFEST_NAME)
+    from safetensors import safe_open
+
+    for path in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except Exception as e:  # safetensors raises its own error type for a damaged header
+            raise ValueError(
+                f"{path}: not a readable safetensors file ({e}); the model directory is damaged"
+            ) from e
+
+
 def main(argv: Any) -> int:
-    """``rl export @ config.toml [--checkpoint <dir>] [--export-dir <dir>]``."""
+    """``rl export @ config.toml [--checkpoint <dir>] [--export-dir <dir>] [--force]``."""
     from prime_composer.config.cli import run_entry_point
     from prime_composer.config.errors import ConfigError
     from prime_composer.config.evaluate import ExportConfig, resolve_kwargs
@@ -330,6 +379,13 @@ def main(argv: Any) -> int:
             out = export_checkpoint(config)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        except OSError as e:  # the target under a regular file, a read-only mount, a full disk
+            target = config.export_dir or Path(config.output_dir) / FINAL_DIR
+            raise ConfigError(
+                f"rl export: cannot write export_dir = '{target}': {e.strerror or e}"
+                + (f" ({e.filename})" if e.filename else "")
+                + "; nothing was changed there. Choose another --export-dir (or free space)"
+            ) from None
         print(f"rl export: wrote {out} (a Hugging Face model directory with its model card)")
         return 0
 
