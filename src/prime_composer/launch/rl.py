@@ -56,6 +56,29 @@ def write_resolved_configs(config: RLConfig) -> dict[str, Path]:
     return paths
 
 
+def check_resumed_model(config: RLConfig) -> None:
+    """Refuse ``--resume`` with another model than the run trained from. With the warm-up on, the
+    processes are handed the warm-up's result (``sft/final``) whatever ``model.name`` says, so a
+    changed model would otherwise be ignored silently; the warm-up's own config (``configs/sft.json``)
+    names the model it started from, ``configs/rl.json`` the one RL trained without a warm-up."""
+    configs = config.output_dir / "configs"
+    source = configs / (
+        "sft.json" if config.warmup.enabled and (configs / "sft.json").is_file() else "rl.json"
+    )
+    try:
+        saved = json.loads(source.read_text())["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # nothing recorded (the run never started): the trainer checks its checkpoint anyway
+    now = config.model.model_dump(mode="json")
+    differ = [key for key in ("name", "revision", "gguf_file") if saved.get(key) != now.get(key)]
+    if differ:
+        changes = ", ".join(f"model.{key} = {now.get(key)!r} (the run: {saved.get(key)!r})" for key in differ)
+        raise ConfigError(
+            f"--resume with {changes}, recorded in {source}: a checkpoint continues the model it trained. "
+            "Resume with the run's model, or start a new run in another output_dir"
+        )
+
+
 def build_specs(config: RLConfig, config_paths: dict[str, Path]) -> list[ProcessSpec]:
     """The processes of one run (``config/processes.py``), in start order."""
     specs = []
@@ -178,6 +201,7 @@ def _launch_locked(config: RLConfig, argv: Sequence[str]) -> int:
     output_dir = config.output_dir
     resuming = config.ckpt.resume or config.ckpt.resume_step is not None
     if resuming:
+        check_resumed_model(config)  # before anything is trimmed
         point = prepare_resume(output_dir, config.ckpt.resume_step, config.ckpt.parts)
         for step, reason in point.skipped:
             print(f"rl: skipping the checkpoint of step {step}: {reason}", flush=True)

@@ -253,10 +253,13 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         states: dict[str, Any] | None = None,
+        model_name: str | None = None,
     ) -> dict[str, Any]:
         """Restore model, optimizer, scheduler, ``states`` (by the names given to ``save``) and this
         rank's RNG from ``step`` (``None``: the newest complete one) and return the ``extra`` dict
-        given to ``save``. A requested state the checkpoint lacks is a ``ValueError``.
+        given to ``save``. A requested state the checkpoint lacks is a ``ValueError``, and so is a
+        checkpoint of another architecture than ``model`` (``check_architecture``; ``model_name``:
+        what built ``model``, for the message).
 
         ``model`` and ``optimizer`` must be built (and sharded) the same way as when saving; the
         number of ranks may differ (DCP reshards). Use ``resolve_step`` to learn the step first.
@@ -280,6 +283,7 @@ class CheckpointManager:
                 "by a run configured without it (e.g. loss.sdpo.weight = 0 or loss.sdpo.teacher = 'live'); "
                 "resume with the settings it was saved with"
             )
+        check_architecture(directory, model, model_name)
         state = _dcp_state(model, optimizer) | states
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(directory / MODEL_OPTIM_DIR), no_dist=_no_dist())
@@ -302,6 +306,60 @@ class CheckpointManager:
             )
         logger.info("loaded %s checkpoint of step %d from %s", self.part, step, directory)
         return meta["extra"]
+
+
+def check_architecture(part: Path, model: nn.Module, model_name: str | None = None) -> None:
+    """Refuse a trainer checkpoint part whose model tensors differ from ``model``'s (names, shapes,
+    dtypes): DCP alone would load a smaller model from a larger checkpoint silently (the extra
+    layers dropped) and fail with a traceback the other way round. One-line ``ValueError`` naming
+    both models (the checkpoint's from its ``meta.json``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(Path(part) / MODEL_OPTIM_DIR)).read_metadata()
+    saved = {
+        key.removeprefix("model."): entry
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+    }
+    expected = trained_model_state(model)
+    problems = []
+    if saved.keys() != expected.keys():
+        layers_saved, layers_model = _num_layers(saved), _num_layers(expected)
+        if layers_saved != layers_model:
+            problems.append(f"{layers_saved} layers in the checkpoint, {layers_model} in the model")
+        only_saved = sorted(saved.keys() - expected.keys())
+        only_model = sorted(expected.keys() - saved.keys())
+        if only_saved:
+            problems.append(f"{len(only_saved)} tensors only in the checkpoint (e.g. {only_saved[0]})")
+        if only_model:
+            problems.append(f"{len(only_model)} tensors only in the model (e.g. {only_model[0]})")
+    for name in sorted(saved.keys() & expected.keys()):
+        shape, tensor = tuple(saved[name].size), expected[name]
+        if shape != tuple(tensor.shape):
+            problems.append(f"{name} is {list(shape)} in the checkpoint, {list(tensor.shape)} in the model")
+            break
+        if saved[name].properties.dtype != tensor.dtype:
+            problems.append(
+                f"{name} is {saved[name].properties.dtype} in the checkpoint, {tensor.dtype} in the model "
+                "(model.dtype)"
+            )
+            break
+    if not problems:
+        return
+    trained_from = "unknown"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        trained_from = repr(json.loads((Path(part) / META_FILE).read_text())["extra"]["model"]["name"])
+    raise ValueError(
+        f"the checkpoint {part} holds another model than model.name = {model_name!r} builds: "
+        f"{'; '.join(problems)}. It was trained from {trained_from}: use that model (and dtype), or "
+        "another checkpoint"
+    )
+
+
+def _num_layers(names: Any) -> int:
+    """Distinct ``layers.<i>.`` indices among parameter names (the decoder's depth)."""
+    return len({m.group(1) for name in names if (m := re.search(r"layers\.(\d+)\.", name))})
 
 
 def _check_states(states: dict[str, Any] | None) -> dict[str, Any]:

@@ -202,6 +202,8 @@ def to_hf_directory(checkpoint: Path, base: ModelConfig, out: Path) -> Path:
     run trained, which also gives the architecture a trainer checkpoint is loaded into). A LoRA
     adapter or a LoRA run's checkpoint is merged into ``base``'s weights."""
     kind = checkpoint_kind(checkpoint)
+    if kind in ("hf", "weights"):
+        check_model_config(Path(checkpoint), base)
     if kind == "hf":
         return Path(checkpoint)
     from prime_composer.model.resolve import resolve_model_name
@@ -254,6 +256,9 @@ def to_hf_directory(checkpoint: Path, base: ModelConfig, out: Path) -> Path:
         cfg = LoraConfig(rank=lora["rank"], alpha=lora["alpha"], target_modules=tuple(lora["target_modules"]))
         check_base(lora, lora_record(base.name, base_fingerprint(model), cfg), f"the checkpoint {checkpoint}")
         model = apply_lora(model, cfg)
+    from prime_composer.trainer.checkpoint import check_architecture
+
+    check_architecture(part, model, base.name)  # a smaller base would drop trained layers silently
     state = {"model": trained_model_state(model)}  # what a checkpoint holds
     import warnings
 
@@ -264,6 +269,43 @@ def to_hf_directory(checkpoint: Path, base: ModelConfig, out: Path) -> Path:
     if lora is not None:
         model = model.merge_and_unload()
     return save_hf_directory(model, tokenizer, out, world)
+
+
+ARCHITECTURE_KEYS = (
+    "model_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+)
+"""The ``config.json`` fields that decide the shape of every tensor (compared before loading)."""
+
+
+def check_model_config(directory: Path, base: ModelConfig) -> None:
+    """Refuse a model directory (or published weights) whose architecture differs from the run's
+    ``base`` model: one-line ``ValueError`` naming both and the first fields that differ."""
+    from transformers import AutoConfig
+
+    from prime_composer.model.resolve import resolve_model_name
+
+    saved = json.loads((Path(directory) / "config.json").read_text())
+    kwargs: dict[str, Any] = {"revision": base.revision, "trust_remote_code": base.trust_remote_code}
+    if base.gguf_file is not None:
+        kwargs["gguf_file"] = base.gguf_file
+    expected = AutoConfig.from_pretrained(resolve_model_name(base.name), **kwargs).to_dict()
+    differ = [
+        f"{key} {saved[key]} in the checkpoint, {expected[key]} in the model"
+        for key in ARCHITECTURE_KEYS
+        if key in saved and key in expected and saved[key] != expected[key]
+    ]
+    if differ:
+        raise ValueError(
+            f"{directory} holds another model than model.name = {base.name!r}: {'; '.join(differ)}. "
+            "Use the model the run trained (its configs/rl.json), or another checkpoint"
+        )
 
 
 def _dcp_dir(path: Path) -> Path | None:
@@ -332,6 +374,7 @@ def export_checkpoint(config: Any) -> Path:
         model_dir = staging / "model"
         if kind == "hf":
             _verify_model_directory(Path(checkpoint))
+            check_model_config(Path(checkpoint), config.model)
             shutil.copytree(checkpoint, model_dir)
         else:
             path = to_hf_directory(checkpoint, config.model, model_dir)
