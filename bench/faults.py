@@ -10,7 +10,7 @@ happened. This script runs them (``pytest tests/faults``, the slow ones included
     scenarios=N survived=M silent=S
 
 ``seed`` is the fault seed every randomly drawn fault came from (a kill point, how full a disk is):
-drawn afresh on each run unless given (``--seed``, or ``PRIME_COMPOSER_FAULT_SEED``), so repeated
+drawn afresh on each run unless given (``--seed``, or ``FAULTS_SEED``), so repeated
 runs explore other moments and any one can be replayed. ``survived`` counts passing scenarios. ``silent`` counts failures where the fault went unnoticed
 (the test expected an error and none came: pytest's "DID NOT RAISE", or an assertion whose message
 says the damaged input was accepted) — the number that must be 0.
@@ -34,7 +34,7 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SEED_ENV = "PRIME_COMPOSER_FAULT_SEED"  # read by tests/faults/conftest.py
+SEED_ENV = "FAULTS_SEED"  # read by tests/faults/conftest.py
 SILENT_MARKERS = ("DID NOT RAISE", "accepted", "resumed from the damaged", "did not happen")
 
 

@@ -1,6 +1,6 @@
 """The fault suite's seed: every randomly drawn fault (a kill point, how full a disk is) comes from
 it. It varies per run (so repeated runs explore other moments) unless fixed with
-``PRIME_COMPOSER_FAULT_SEED``; pytest's header and ``bench/faults.py`` print it, so a failure can
+``FAULTS_SEED``; pytest's header and ``bench/faults.py`` print it, so a failure can
 be replayed exactly."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import secrets
 
 import pytest
 
-SEED_ENV = "PRIME_COMPOSER_FAULT_SEED"
+SEED_ENV = "FAULTS_SEED"
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -35,11 +35,15 @@ assert _spec is not None and _spec.loader is not None
 _helpers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_helpers)
 
-NUM_STEPS = 8
+NUM_STEPS = 6
 RUN = (
     "--max-steps",
     str(NUM_STEPS),
+    # No warm-up (cheap): the random model earns nothing, so its steps train on nothing, which
+    # must not stop the run here; the checkpoints, weights and rollouts fill the disk all the same.
     "--no-warmup.enabled",
+    "--orchestrator.failure.max-empty-steps",
+    "1000",
     "--ckpt.interval",
     "1",
     "--orchestrator.eval.interval",
@@ -50,6 +54,7 @@ RUN = (
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two runs of the launcher
 def test_a_full_disk_stops_the_run_and_resume_finishes_it(tmp_path: Path, fault_rng: random.Random) -> None:
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("needs root to mount a small tmpfs")
@@ -58,7 +63,7 @@ def test_a_full_disk_stops_the_run_and_resume_finishes_it(tmp_path: Path, fault_
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(disk)]).returncode != 0:
         pytest.skip("mount -t tmpfs failed (no CAP_SYS_ADMIN in this container)")
     try:
-        filler = fault_rng.randrange(0, 6 << 20)  # how much of the 20 MB is taken already
+        filler = fault_rng.randrange(3 << 20, 9 << 20)  # how much of the 20 MB is taken already
         (disk / "filler").write_bytes(b"\0" * filler)
         print(f"filler: {filler} bytes of 20 MiB")
         out = disk / "run"
@@ -80,7 +85,10 @@ def test_a_full_disk_stops_the_run_and_resume_finishes_it(tmp_path: Path, fault_
             point = None
         # The launcher and the trainer agree: a resume is offered exactly when one is possible.
         offered = "To continue:" in first.stdout
-        assert offered == (point is not None), f"launcher offered a resume: {offered}, checkpoint: {point}"
+        logs = "".join(p.read_text(errors="replace")[-1500:] for p in sorted((out / "logs").glob("*.log")))
+        assert offered == (point is not None), (
+            f"launcher offered a resume: {offered}, checkpoint: {point}. {first.stdout[-1500:]} {logs}"
+        )
 
         subprocess.run(["mount", "-o", "remount,size=400m", str(disk)], check=True)  # space freed
         resumed = _helpers.run_rl(out, *RUN, "--resume", timeout=900)
