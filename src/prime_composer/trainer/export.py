@@ -26,7 +26,7 @@ from typing import Any, Literal
 from torch import nn
 
 from prime_composer.config.base import ModelConfig
-from prime_composer.integrity import write_manifest
+from prime_composer.integrity import IntegrityError, write_manifest
 from prime_composer.trainer.model import World, full_state_dict
 
 logger = logging.getLogger(__name__)
@@ -295,7 +295,18 @@ def check_model_config(directory: Path, base: ModelConfig) -> None:
     kwargs: dict[str, Any] = {"revision": base.revision, "trust_remote_code": base.trust_remote_code}
     if base.gguf_file is not None:
         kwargs["gguf_file"] = base.gguf_file
-    expected = AutoConfig.from_pretrained(resolve_model_name(base.name), **kwargs).to_dict()
+    try:
+        expected = AutoConfig.from_pretrained(resolve_model_name(base.name), **kwargs).to_dict()
+    except IntegrityError:
+        raise  # the base model's own files are damaged: that is an error, not a skipped check
+    except (OSError, ValueError) as e:  # e.g. a hub id without network: say so, do not guess
+        logger.warning(
+            "the architecture of %s is not checked against model.name = %r, whose config cannot be read (%s)",
+            directory,
+            base.name,
+            e,
+        )
+        return
     differ = [
         f"{key} {saved[key]} in the checkpoint, {expected[key]} in the model"
         for key in ARCHITECTURE_KEYS
