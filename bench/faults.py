@@ -6,20 +6,26 @@ asserts that nothing was lost, nothing wrong was accepted silently, and the mess
 happened. This script runs them (``pytest tests/faults``, the slow ones included unless
 ``--fast``) and prints one row per test file, then
 
+    seed=K
     scenarios=N survived=M silent=S
 
-``survived`` counts passing scenarios. ``silent`` counts failures where the fault went unnoticed
+``seed`` is the fault seed every randomly drawn fault came from (a kill point, how full a disk is):
+drawn afresh on each run unless given (``--seed``, or ``FAULTS_SEED``), so repeated
+runs explore other moments and any one can be replayed. ``survived`` counts passing scenarios. ``silent`` counts failures where the fault went unnoticed
 (the test expected an error and none came: pytest's "DID NOT RAISE", or an assertion whose message
 says the damaged input was accepted) — the number that must be 0.
 
     uv run python bench/faults.py            # ~12 min (kills and resumes real runs)
     uv run python bench/faults.py --fast     # without the end-to-end scenarios, ~3 min
+    uv run python bench/faults.py --seed 1234  # replay the faults of an earlier run
     uv run python bench/faults.py --from-report ci.xml   # the table from a full run's JUnit report
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -28,6 +34,7 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+SEED_ENV = "FAULTS_SEED"  # read by tests/faults/conftest.py
 SILENT_MARKERS = ("DID NOT RAISE", "accepted", "resumed from the damaged", "did not happen")
 
 
@@ -42,10 +49,15 @@ def main() -> None:
         help="summarize an existing JUnit XML report (e.g. of a full `pytest --junitxml=...` run) "
         "instead of running the scenarios; only its tests/faults cases count",
     )
+    parser.add_argument(
+        "--seed", type=int, help=f"the fault seed (default: ${SEED_ENV}, else a fresh random one)"
+    )
     args = parser.parse_args()
     if args.from_report is not None:
         summarize(args.from_report)
         return
+    seed = args.seed if args.seed is not None else int(os.environ.get(SEED_ENV) or secrets.randbelow(2**32))
+    print(f"fault seed: {seed} (replay with --seed {seed})", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "faults.xml"
         command = [
@@ -60,12 +72,12 @@ def main() -> None:
         ]
         if args.fast:
             command += ["-m", "not slow"]
-        subprocess.run(command, cwd=REPO)
-        summarize(report)
+        subprocess.run(command, cwd=REPO, env={**os.environ, SEED_ENV: str(seed)})
+        summarize(report, seed)
 
 
-def summarize(report: Path) -> None:
-    """The table and the last line, from the JUnit XML report of a run that included tests/faults."""
+def summarize(report: Path, seed: int | None = None) -> None:
+    """The table and the last lines, from the JUnit XML report of a run that included tests/faults."""
     cases = [
         case
         for case in ET.parse(report).getroot().iter("testcase")
@@ -98,6 +110,7 @@ def summarize(report: Path) -> None:
     for line in failures:
         print("  not survived:", line)
     total, survived, silent = (sum(r[i] for r in rows.values()) for i in range(3))
+    print(f"seed={seed if seed is not None else 'unknown'}")
     print(f"scenarios={total} survived={survived} silent={silent}")
 
 

@@ -9,10 +9,13 @@ import pytest
 import torch
 from torch import nn
 
+from prime_composer.checkpoint_layout import all_steps, find_resume_point, is_complete, step_marker_path
 from prime_composer.config.base import ModelConfig
 from prime_composer.config.optim import OptimConfig
+from prime_composer.orchestrator.state import OrchestratorState
 from prime_composer.trainer.checkpoint import (
     CheckpointManager,
+    CheckpointWriteError,
     complete_steps,
     latest_complete_step,
     marker_path,
@@ -128,23 +131,45 @@ def test_no_checkpoint_is_a_clear_error(tmp_path):
         manager.load(None, *_linear())
 
 
-def test_keep_deletes_only_own_part_of_old_steps(tmp_path):
-    # The orchestrator's part of step 1 and 3 is complete; the trainer must not touch it.
-    for step in (1, 3):
-        (step_dir(tmp_path, step) / "orchestrator").mkdir(parents=True)
-        (step_dir(tmp_path, step) / "orchestrator" / "buffer.json").write_text("{}")
-        marker_path(tmp_path, step, "orchestrator").write_text("{}")
-    manager = CheckpointManager(tmp_path, keep=2, world=WORLD)
+def test_a_step_is_complete_only_with_every_part_and_steps_are_pruned_together(tmp_path):
+    parts = ("trainer", "orchestrator")
+    manager = CheckpointManager(tmp_path, keep=2, world=WORLD, parts=parts)
     model, optimizer, scheduler = _linear()
     for step in (1, 2, 3, 4):
         manager.save(step, model, optimizer, scheduler)
-    assert complete_steps(tmp_path) == [3, 4]
-    assert not (step_dir(tmp_path, 1) / "trainer").exists()
-    assert not marker_path(tmp_path, 1, "trainer").exists()
-    assert (step_dir(tmp_path, 1) / "orchestrator" / "buffer.json").is_file()  # other part kept
-    assert not step_dir(tmp_path, 2).exists()  # nothing else lived there: removed
-    assert latest_complete_step(tmp_path, parts=("trainer", "orchestrator")) == 3
-    assert latest_complete_step(tmp_path, parts=("orchestrator",)) == 3
+        assert not is_complete(tmp_path, step, parts)  # the orchestrator's part is missing
+        OrchestratorState(step=step).save(tmp_path, keep=2)
+        assert is_complete(tmp_path, step, parts) and step_marker_path(tmp_path, step).is_file()
+    # Whole steps go: no step keeps one part while the other was deleted.
+    assert all_steps(tmp_path) == [3, 4]
+    assert complete_steps(tmp_path, parts) == [3, 4]
+
+
+def test_a_failed_part_leaves_the_previous_complete_step_resumable(tmp_path, monkeypatch):
+    """The full-disk case: the trainer cannot write step 3 while the orchestrator, running ahead,
+    writes its parts of steps 3 to 5; step 2 must keep both its parts."""
+    parts = ("trainer", "orchestrator")
+    manager = CheckpointManager(tmp_path, keep=2, world=WORLD, parts=parts)
+    model, optimizer, scheduler = _linear()
+    for step in (1, 2):
+        OrchestratorState(step=step).save(tmp_path, keep=2)
+        manager.save(step, model, optimizer, scheduler)
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(CheckpointManager, "_write", no_space)
+    with pytest.raises(
+        CheckpointWriteError, match=r"step 3 could not be written.*newest complete checkpoint is step 2"
+    ):
+        manager.save(3, model, optimizer, scheduler)
+    for step in (3, 4, 5):
+        OrchestratorState(step=step).save(tmp_path, keep=2)
+    assert find_resume_point(tmp_path, None, parts).step == 2
+    assert not (step_dir(tmp_path, 3) / ".trainer.tmp").exists()
+    fresh = _linear()
+    manager.load(2, *fresh)
+    assert torch.equal(fresh[0].weight, model.weight)
 
 
 def test_resave_same_step_replaces_it(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from prime_composer.checkpoint_layout import is_complete, latest_complete_step
+from prime_composer.checkpoint_layout import is_complete, latest_complete_step, part_is_written
 from prime_composer.orchestrator.state import OrchestratorState, choose_env, task_index
 
 
@@ -29,7 +29,8 @@ def test_env_choice_follows_ratios() -> None:
 def test_state_round_trip_marks_the_part_complete(tmp_path: Path) -> None:
     state = OrchestratorState(step=5, groups_drawn=40, env_draws=[30, 10])
     state.save(tmp_path, keep=2)
-    assert is_complete(tmp_path, 5, ("orchestrator",))
-    assert not is_complete(tmp_path, 5, ("trainer", "orchestrator"))  # the trainer's part is missing
-    assert latest_complete_step(tmp_path, ("orchestrator",)) == 5
+    assert part_is_written(tmp_path, 5, "orchestrator")
+    # The step is not complete (nor resumable) until the trainer's part is there too.
+    assert not is_complete(tmp_path, 5, ("orchestrator",))
+    assert latest_complete_step(tmp_path, ("orchestrator",)) is None
     assert OrchestratorState.load(tmp_path, 5) == state

@@ -27,6 +27,10 @@ class ExportConfig(RLConfig):
     export_dir: Path | None = None
     """Where to write it; ``None``: ``<output_dir>/final``."""
 
+    force: bool = False
+    """Replace ``export_dir`` when it exists (``--force``); without it an existing target is refused,
+    so an export never deletes a directory by surprise."""
+
 
 class EvalRunConfig(RLConfig):
     """``eval``: a checkpoint on the eval split of every environment that has one (``eval_args``)."""

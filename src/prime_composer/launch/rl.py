@@ -36,7 +36,7 @@ from prime_composer.launch.launcher import Launcher, LaunchResult
 from prime_composer.launch.preflight import preflight
 from prime_composer.launch.process import ProcessSpec
 from prime_composer.launch.progress import Progress
-from prime_composer.launch.rundir import prepare_fresh, prepare_resume
+from prime_composer.launch.rundir import lock_run_dir, prepare_fresh, prepare_resume
 from prime_composer.report import summary, write_report_png
 
 
@@ -54,6 +54,29 @@ def write_resolved_configs(config: RLConfig) -> dict[str, Path]:
         section = getattr(config, process.name)
         atomic_write_text(paths[process.name], json.dumps(section.model_dump(mode="json"), indent=2) + "\n")
     return paths
+
+
+def check_resumed_model(config: RLConfig) -> None:
+    """Refuse ``--resume`` with another model than the run trained from. With the warm-up on, the
+    processes are handed the warm-up's result (``sft/final``) whatever ``model.name`` says, so a
+    changed model would otherwise be ignored silently; the warm-up's own config (``configs/sft.json``)
+    names the model it started from, ``configs/rl.json`` the one RL trained without a warm-up."""
+    configs = config.output_dir / "configs"
+    source = configs / (
+        "sft.json" if config.warmup.enabled and (configs / "sft.json").is_file() else "rl.json"
+    )
+    try:
+        saved = json.loads(source.read_text())["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # nothing recorded (the run never started): the trainer checks its checkpoint anyway
+    now = config.model.model_dump(mode="json")
+    differ = [key for key in ("name", "revision", "gguf_file") if saved.get(key) != now.get(key)]
+    if differ:
+        changes = ", ".join(f"model.{key} = {now.get(key)!r} (the run: {saved.get(key)!r})" for key in differ)
+        raise ConfigError(
+            f"--resume with {changes}, recorded in {source}: a checkpoint continues the model it trained. "
+            "Resume with the run's model, or start a new run in another output_dir"
+        )
 
 
 def build_specs(config: RLConfig, config_paths: dict[str, Path]) -> list[ProcessSpec]:
@@ -166,9 +189,19 @@ def _use_model(config: RLConfig, path: Path) -> None:
 
 def launch(config: RLConfig, argv: Sequence[str]) -> int:
     preflight(config)
+    # One run per directory: taken before anything in it is read or deleted, held to the end.
+    lock = lock_run_dir(config.output_dir, command="uv run rl " + shlex.join(argv))
+    try:
+        return _launch_locked(config, argv)
+    finally:
+        lock.release()
+
+
+def _launch_locked(config: RLConfig, argv: Sequence[str]) -> int:
     output_dir = config.output_dir
     resuming = config.ckpt.resume or config.ckpt.resume_step is not None
     if resuming:
+        check_resumed_model(config)  # before anything is trimmed
         point = prepare_resume(output_dir, config.ckpt.resume_step, config.ckpt.parts)
         for step, reason in point.skipped:
             print(f"rl: skipping the checkpoint of step {step}: {reason}", flush=True)

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prime_composer.checkpoint_layout import marker_path, prune_part, step_dir
-from prime_composer.integrity import verify_manifest, write_manifest
+from prime_composer.checkpoint_layout import DEFAULT_PARTS, StepCheckpoints, step_dir
+from prime_composer.integrity import verify_manifest
 from prime_composer.io import atomic_write_text
 
 PART = "orchestrator"
@@ -35,14 +35,18 @@ class OrchestratorState:
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Each channel's checkpoint state (``OrchestratorChannel.state_dict``, non-empty ones), by name."""
 
-    def save(self, ckpt_root: Path, keep: int) -> None:
-        """Write ``step_<N>/orchestrator/state.json`` and its manifest, then the part's ``STABLE``
-        marker; then drop this part of all but the newest ``keep`` complete steps."""
-        directory = step_dir(ckpt_root, self.step) / PART
-        atomic_write_text(directory / "state.json", json.dumps(asdict(self), indent=2) + "\n")
-        write_manifest(directory)
-        atomic_write_text(marker_path(ckpt_root, self.step, PART), "")
-        prune_part(ckpt_root, PART, keep, keep_also=self.step)
+    def save(self, ckpt_root: Path, keep: int, parts: tuple[str, ...] = DEFAULT_PARTS) -> None:
+        """Publish ``step_<N>/orchestrator/state.json`` (with its manifest and marker) through the
+        run's one checkpoint manager, which commits the step once every one of ``parts`` (the run's
+        ``ckpt.parts``; the trainer's marker adds any this process does not know of) is written and
+        keeps the newest ``keep`` complete steps. A failed write is a ``CheckpointWriteError``."""
+
+        def write(tmp: Path) -> None:
+            atomic_write_text(tmp / "state.json", json.dumps(asdict(self), indent=2) + "\n")
+
+        StepCheckpoints(ckpt_root, keep, tuple(dict.fromkeys((PART, *parts)))).write_part(
+            self.step, PART, write
+        )
 
     @classmethod
     def load(cls, ckpt_root: Path, step: int) -> OrchestratorState:

@@ -7,24 +7,23 @@ Layout (the orchestrator and DiLoCo write their own parts next to the trainer's)
                                         torch.distributed.checkpoint (DCP) format
         scheduler.pt                    LR scheduler state (identical on every rank)
         rng/rank_<R>.pt                 python / numpy / torch (/ cuda) RNG states of rank R
-        meta.json                       {"step", "world_size", "extra", "states", ...}
-    <root>/step_<N>/trainer.STABLE      written last: "the trainer part of step N is complete"
-    <root>/step_<N>/orchestrator/ + orchestrator.STABLE, ...
+        meta.json                       {"step", "world_size", "extra", "states", "model", ...}
+    <root>/step_<N>/trainer.STABLE      "the trainer part of step N is written"
+    <root>/step_<N>/orchestrator/ + orchestrator.STABLE, diloco/ + diloco.STABLE
+    <root>/step_<N>/STABLE              "step N is complete": every part written and verified
 
-A step is resumable when every part a process needs has its ``<part>.STABLE`` marker
-(``latest_complete_step(root, parts=("trainer", "orchestrator"))``; the layout helpers live in
-``prime_composer.checkpoint_layout``, torch-free, so the orchestrator shares them). Markers are per part
-because the parts are written by different processes at different times; one step-wide marker
-would need them to agree on who writes it last.
+Parts are published, committed and pruned through one manager, ``checkpoint_layout.StepCheckpoints``
+(torch-free, so the orchestrator's part goes through it too): a step is resumable only once every
+part of the run is written and verifies, and steps are deleted as units, so a full disk that stops
+one part never leaves a step that holds the other parts only.
 
 Atomicity: every rank writes into ``<root>/step_<N>/.trainer.tmp/``; after a barrier rank 0
 writes ``MANIFEST.json`` (size and SHA-256 of every file: ``prime_composer.integrity``), renames
-the directory to ``trainer/`` and only then writes ``trainer.STABLE``. A crash at any point leaves
-either no marker (never loaded) or a complete part. Deleting goes in the opposite order (marker
-first), so a half-deleted checkpoint is never mistaken for a complete one. Loading verifies the
-manifest first, so a truncated, zeroed or missing file is an error naming it, never different
-weights. A save that fails (a full disk) removes its partial files and says which checkpoint is
-still intact.
+the directory to ``trainer/``, writes ``trainer.STABLE`` and commits the step if the other parts
+are there. A crash at any point leaves either no marker (never loaded) or a complete part.
+Loading verifies the manifest first, so a truncated, zeroed or missing file is an error naming
+it, never different weights. A save that fails (a full disk) removes its partial files and says
+which checkpoint is still intact.
 
 Why DCP for model and optimizer: each rank writes only its own FSDP2 shards, in parallel, with no
 gather of the full model *and* its two AdamW moments into rank 0's memory (3x the model in fp32,
@@ -58,12 +57,13 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from prime_composer.checkpoint_layout import (
+    CheckpointWriteError,
+    StepCheckpoints,
     all_steps,
     complete_steps,
     is_complete,
     latest_complete_step,
     marker_path,
-    prune_part,
     step_dir,
 )
 from prime_composer.integrity import verify_manifest, write_manifest
@@ -80,6 +80,7 @@ RNG_DIR = "rng"
 
 __all__ = [
     "CheckpointManager",
+    "CheckpointWriteError",
     "all_steps",
     "complete_steps",
     "is_complete",
@@ -89,22 +90,26 @@ __all__ = [
 ]
 
 
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (its partial files are gone; older checkpoints are intact)."""
-
-
 class CheckpointManager:
     """Saves and loads one part (default ``trainer``) of the step checkpoints under ``root``.
 
     ``save`` and ``load`` are collective under FSDP: every rank calls them with the same step.
-    ``root`` must be a filesystem every rank sees (each rank writes its own shards).
+    ``root`` must be a filesystem every rank sees (each rank writes its own shards). ``parts``: every
+    part a step of the run has (``ckpt.parts``; default: this part alone), so that the step is
+    committed only when all of them are written.
     """
 
-    def __init__(self, root: Path, keep: int, world: World, part: str = "trainer") -> None:
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1 (how many complete checkpoints to keep), got {keep}")
+    def __init__(
+        self,
+        root: Path,
+        keep: int,
+        world: World,
+        part: str = "trainer",
+        parts: tuple[str, ...] | None = None,
+    ) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_-]+", part):
             raise ValueError(f"checkpoint part name {part!r} must be letters, digits, '_' or '-'")
+        self.steps = StepCheckpoints(root, keep, tuple(dict.fromkeys((part, *(parts or ())))))
         self.root = Path(root)
         self.keep = keep
         self.world = world
@@ -139,28 +144,18 @@ class CheckpointManager:
             ) from e
 
         started = time.perf_counter()
-        final = step_dir(self.root, step) / self.part
-        tmp = step_dir(self.root, step) / f".{self.part}.tmp"
+        tmp = self.steps.tmp_dir(step, self.part)
         try:
             self._write(tmp, step, model, optimizer, scheduler, extra, states)
+            # Rank 0 publishes (rename, marker) and commits the step if the other parts are there.
+            if self.world.is_main:
+                self.steps.publish(step, self.part)
         except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
             # e.g. no space left on the device (torch.save reports it as a RuntimeError from its zip
             # writer, DCP wraps that in its own exception): leave no partial files, say what is intact.
-            shutil.rmtree(tmp, ignore_errors=True)
-            intact = complete_steps(self.root, (self.part,))
-            raise CheckpointWriteError(
-                f"the {self.part} checkpoint of step {step} could not be written under {tmp.parent} "
-                f"({type(e).__name__}: {e}); its partial files were removed; the newest complete checkpoint is "
-                f"{f'step {intact[-1]}' if intact else 'none'}. Free space (or lower ckpt.keep) and resume"
-            ) from e
+            raise self.steps.failed(step, self.part, e) from e
+        final = step_dir(self.root, step) / self.part
         if self.world.is_main:
-            marker = marker_path(self.root, step, self.part)
-            if final.exists():
-                marker.unlink(missing_ok=True)  # no longer complete before it changes
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            atomic_write_text(marker, json.dumps({"step": step, "part": self.part}) + "\n")
-            self._prune(keep_also=step)
             logger.info(
                 "saved %s checkpoint of step %d in %.1fs: %s",
                 self.part,
@@ -214,9 +209,12 @@ class CheckpointManager:
             write_manifest(tmp)
             logger.info("checkpoint digests of step %d: %.2f s", step, time.perf_counter() - started)
 
-    def _prune(self, keep_also: int) -> None:
-        """Keep this part of the newest ``keep`` complete steps (``checkpoint_layout.prune_part``)."""
-        prune_part(self.root, self.part, self.keep, keep_also)
+    def commit(self, step: int) -> bool:
+        """Commit ``step`` once a part written outside this manager is in place too (the DiLoCo part:
+        ``OuterLoop.save``); collective. Returns whether the step is complete."""
+        committed = self.steps.commit(step) if self.world.is_main else False
+        self.world.barrier()
+        return committed
 
     # ------------------------------------------------------------------------------------- load
 
@@ -255,10 +253,13 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         states: dict[str, Any] | None = None,
+        model_name: str | None = None,
     ) -> dict[str, Any]:
         """Restore model, optimizer, scheduler, ``states`` (by the names given to ``save``) and this
         rank's RNG from ``step`` (``None``: the newest complete one) and return the ``extra`` dict
-        given to ``save``. A requested state the checkpoint lacks is a ``ValueError``.
+        given to ``save``. A requested state the checkpoint lacks is a ``ValueError``, and so is a
+        checkpoint of another architecture than ``model`` (``check_architecture``; ``model_name``:
+        what built ``model``, for the message).
 
         ``model`` and ``optimizer`` must be built (and sharded) the same way as when saving; the
         number of ranks may differ (DCP reshards). Use ``resolve_step`` to learn the step first.
@@ -282,6 +283,7 @@ class CheckpointManager:
                 "by a run configured without it (e.g. loss.sdpo.weight = 0 or loss.sdpo.teacher = 'live'); "
                 "resume with the settings it was saved with"
             )
+        check_architecture(directory, model, model_name)
         state = _dcp_state(model, optimizer) | states
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(directory / MODEL_OPTIM_DIR), no_dist=_no_dist())
@@ -304,6 +306,60 @@ class CheckpointManager:
             )
         logger.info("loaded %s checkpoint of step %d from %s", self.part, step, directory)
         return meta["extra"]
+
+
+def check_architecture(part: Path, model: nn.Module, model_name: str | None = None) -> None:
+    """Refuse a trainer checkpoint part whose model tensors differ from ``model``'s (names, shapes,
+    dtypes): DCP alone would load a smaller model from a larger checkpoint silently (the extra
+    layers dropped) and fail with a traceback the other way round. One-line ``ValueError`` naming
+    both models (the checkpoint's from its ``meta.json``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(Path(part) / MODEL_OPTIM_DIR)).read_metadata()
+    saved = {
+        key.removeprefix("model."): entry
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+    }
+    expected = trained_model_state(model)
+    problems = []
+    if saved.keys() != expected.keys():
+        layers_saved, layers_model = _num_layers(saved), _num_layers(expected)
+        if layers_saved != layers_model:
+            problems.append(f"{layers_saved} layers in the checkpoint, {layers_model} in the model")
+        only_saved = sorted(saved.keys() - expected.keys())
+        only_model = sorted(expected.keys() - saved.keys())
+        if only_saved:
+            problems.append(f"{len(only_saved)} tensors only in the checkpoint (e.g. {only_saved[0]})")
+        if only_model:
+            problems.append(f"{len(only_model)} tensors only in the model (e.g. {only_model[0]})")
+    for name in sorted(saved.keys() & expected.keys()):
+        shape, tensor = tuple(saved[name].size), expected[name]
+        if shape != tuple(tensor.shape):
+            problems.append(f"{name} is {list(shape)} in the checkpoint, {list(tensor.shape)} in the model")
+            break
+        if saved[name].properties.dtype != tensor.dtype:
+            problems.append(
+                f"{name} is {saved[name].properties.dtype} in the checkpoint, {tensor.dtype} in the model "
+                "(model.dtype)"
+            )
+            break
+    if not problems:
+        return
+    trained_from = "unknown"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        trained_from = repr(json.loads((Path(part) / META_FILE).read_text())["extra"]["model"]["name"])
+    raise ValueError(
+        f"the checkpoint {part} holds another model than model.name = {model_name!r} builds: "
+        f"{'; '.join(problems)}. It was trained from {trained_from}: use that model (and dtype), or "
+        "another checkpoint"
+    )
+
+
+def _num_layers(names: Any) -> int:
+    """Distinct ``layers.<i>.`` indices among parameter names (the decoder's depth)."""
+    return len({m.group(1) for name in names if (m := re.search(r"layers\.(\d+)\.", name))})
 
 
 def _check_states(states: dict[str, Any] | None) -> dict[str, Any]:

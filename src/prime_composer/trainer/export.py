@@ -26,7 +26,7 @@ from typing import Any, Literal
 from torch import nn
 
 from prime_composer.config.base import ModelConfig
-from prime_composer.integrity import write_manifest
+from prime_composer.integrity import IntegrityError, write_manifest
 from prime_composer.trainer.model import World, full_state_dict
 
 logger = logging.getLogger(__name__)
@@ -202,6 +202,8 @@ def to_hf_directory(checkpoint: Path, base: ModelConfig, out: Path) -> Path:
     run trained, which also gives the architecture a trainer checkpoint is loaded into). A LoRA
     adapter or a LoRA run's checkpoint is merged into ``base``'s weights."""
     kind = checkpoint_kind(checkpoint)
+    if kind in ("hf", "weights"):
+        check_model_config(Path(checkpoint), base)
     if kind == "hf":
         return Path(checkpoint)
     from prime_composer.model.resolve import resolve_model_name
@@ -254,6 +256,9 @@ def to_hf_directory(checkpoint: Path, base: ModelConfig, out: Path) -> Path:
         cfg = LoraConfig(rank=lora["rank"], alpha=lora["alpha"], target_modules=tuple(lora["target_modules"]))
         check_base(lora, lora_record(base.name, base_fingerprint(model), cfg), f"the checkpoint {checkpoint}")
         model = apply_lora(model, cfg)
+    from prime_composer.trainer.checkpoint import check_architecture
+
+    check_architecture(part, model, base.name)  # a smaller base would drop trained layers silently
     state = {"model": trained_model_state(model)}  # what a checkpoint holds
     import warnings
 
@@ -264,6 +269,54 @@ def to_hf_directory(checkpoint: Path, base: ModelConfig, out: Path) -> Path:
     if lora is not None:
         model = model.merge_and_unload()
     return save_hf_directory(model, tokenizer, out, world)
+
+
+ARCHITECTURE_KEYS = (
+    "model_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+)
+"""The ``config.json`` fields that decide the shape of every tensor (compared before loading)."""
+
+
+def check_model_config(directory: Path, base: ModelConfig) -> None:
+    """Refuse a model directory (or published weights) whose architecture differs from the run's
+    ``base`` model: one-line ``ValueError`` naming both and the first fields that differ."""
+    from transformers import AutoConfig
+
+    from prime_composer.model.resolve import resolve_model_name
+
+    saved = json.loads((Path(directory) / "config.json").read_text())
+    kwargs: dict[str, Any] = {"revision": base.revision, "trust_remote_code": base.trust_remote_code}
+    if base.gguf_file is not None:
+        kwargs["gguf_file"] = base.gguf_file
+    try:
+        expected = AutoConfig.from_pretrained(resolve_model_name(base.name), **kwargs).to_dict()
+    except IntegrityError:
+        raise  # the base model's own files are damaged: that is an error, not a skipped check
+    except (OSError, ValueError) as e:  # e.g. a hub id without network: say so, do not guess
+        logger.warning(
+            "the architecture of %s is not checked against model.name = %r, whose config cannot be read (%s)",
+            directory,
+            base.name,
+            e,
+        )
+        return
+    differ = [
+        f"{key} {saved[key]} in the checkpoint, {expected[key]} in the model"
+        for key in ARCHITECTURE_KEYS
+        if key in saved and key in expected and saved[key] != expected[key]
+    ]
+    if differ:
+        raise ValueError(
+            f"{directory} holds another model than model.name = {base.name!r}: {'; '.join(differ)}. "
+            "Use the model the run trained (its configs/rl.json), or another checkpoint"
+        )
 
 
 def _dcp_dir(path: Path) -> Path | None:
@@ -297,7 +350,12 @@ def _load_tokenizer(base: ModelConfig) -> Any:
 
 def export_checkpoint(config: Any) -> Path:
     """``rl export``: the model directory (and card) of ``config.checkpoint`` (default: the newest
-    complete checkpoint of the run) in ``config.export_dir`` (default: ``<output_dir>/final``)."""
+    complete checkpoint of the run) in ``config.export_dir`` (default: ``<output_dir>/final``).
+
+    Never clobbers: an existing target is refused unless ``config.force``. The input is verified
+    first (its manifest), the whole result is written into a hidden sibling directory and renamed
+    into place, so a failed export leaves the target as it was and no file of an earlier model
+    (a stale sharded index) mixes in."""
     from prime_composer.checkpoint_layout import latest_complete_step, step_dir
     from prime_composer.trainer.model_card import write_model_card
 
@@ -310,17 +368,62 @@ def export_checkpoint(config: Any) -> Path:
             raise ValueError(f"no complete trainer checkpoint under {root}: give --checkpoint <dir>")
         checkpoint = step_dir(root, step)
     out = Path(config.export_dir) if config.export_dir is not None else output_dir / FINAL_DIR
-    if checkpoint_kind(checkpoint) == "hf" and Path(checkpoint).resolve() != out.resolve():
-        shutil.copytree(checkpoint, out, dirs_exist_ok=True)
-    else:
-        path = to_hf_directory(checkpoint, config.model, out)
-        assert path == out
-    write_model_card(out, output_dir)
+    kind = checkpoint_kind(checkpoint)
+    if kind == "hf" and Path(checkpoint).resolve() == out.resolve():
+        write_model_card(out, output_dir)  # exporting a model directory onto itself: the card only
+        return out
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ValueError(f"export_dir = '{out}' exists and is not a directory: choose another --export-dir")
+    if out.exists() and not config.force:
+        raise ValueError(
+            f"export_dir = '{out}' already exists: pass --force to replace it (its files are deleted), "
+            "or choose another --export-dir"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        model_dir = staging / "model"
+        if kind == "hf":
+            _verify_model_directory(Path(checkpoint))
+            check_model_config(Path(checkpoint), config.model)
+            shutil.copytree(checkpoint, model_dir)
+        else:
+            path = to_hf_directory(checkpoint, config.model, model_dir)
+            assert path == model_dir
+        write_model_card(model_dir, output_dir)
+        write_manifest(model_dir)  # of exactly what was written, card included
+        model_dir.chmod(0o755)
+        if out.exists():  # --force: the old directory goes only once the new one is complete
+            os.replace(out, staging / "old")
+        os.replace(model_dir, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
+def _verify_model_directory(directory: Path) -> None:
+    """Check a model directory before copying it: its files against its ``MANIFEST.json`` (every
+    directory this project writes has one); without one, that each weights file's header reads."""
+    from prime_composer.integrity import MANIFEST_NAME, verify_manifest
+
+    if (directory / MANIFEST_NAME).is_file():
+        verify_manifest(directory)
+        return
+    logger.warning("%s has no %s: only its weights files' headers are checked", directory, MANIFEST_NAME)
+    from safetensors import safe_open
+
+    for path in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except Exception as e:  # safetensors raises its own error type for a damaged header
+            raise ValueError(
+                f"{path}: not a readable safetensors file ({e}); the model directory is damaged"
+            ) from e
+
+
 def main(argv: Any) -> int:
-    """``rl export @ config.toml [--checkpoint <dir>] [--export-dir <dir>]``."""
+    """``rl export @ config.toml [--checkpoint <dir>] [--export-dir <dir>] [--force]``."""
     from prime_composer.config.cli import run_entry_point
     from prime_composer.config.errors import ConfigError
     from prime_composer.config.evaluate import ExportConfig, resolve_kwargs
@@ -330,6 +433,13 @@ def main(argv: Any) -> int:
             out = export_checkpoint(config)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        except OSError as e:  # the target under a regular file, a read-only mount, a full disk
+            target = config.export_dir or Path(config.output_dir) / FINAL_DIR
+            raise ConfigError(
+                f"rl export: cannot write export_dir = '{target}': {e.strerror or e}"
+                + (f" ({e.filename})" if e.filename else "")
+                + "; nothing was changed there. Choose another --export-dir (or free space)"
+            ) from None
         print(f"rl export: wrote {out} (a Hugging Face model directory with its model card)")
         return 0
 

@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
-from prime_composer.checkpoint_layout import prune_part, resume_step
+from prime_composer.checkpoint_layout import resume_step
 from prime_composer.config.errors import RunError
+from prime_composer.config.optim import OptimConfig
 from prime_composer.config.trainer import TrainerConfig
 from prime_composer.diloco.base import OuterLoop, build_outer_loop
 from prime_composer.metrics import MetricsLogger
@@ -48,7 +49,7 @@ from prime_composer.trainer.lora import (
 from prime_composer.trainer.losses.aggregate import all_reduce_sum
 from prime_composer.trainer.losses.base import TermContext, build_terms
 from prime_composer.trainer.model import World, full_state_dict, init_distributed, load_model, shard_model
-from prime_composer.trainer.optim import build_optimizer, optimizer_step
+from prime_composer.trainer.optim import build_optimizer, lr_factor, optimizer_step
 from prime_composer.trainer.step import train_step
 from prime_composer.transport.adapter import publish_adapter
 from prime_composer.transport.batch import MicroBatch
@@ -77,7 +78,9 @@ class Trainer:
         make_copy = self._load_and_shard if world.is_distributed else None
         self.terms_context = TermContext(self.model, make_copy=make_copy, world_size=world.world_size)
         self.terms = build_terms(config.loss, self.terms_context)
-        self.ckpt = CheckpointManager(config.output_dir / "checkpoints", config.ckpt.keep, world)
+        self.ckpt = CheckpointManager(
+            config.output_dir / "checkpoints", config.ckpt.keep, world, parts=config.ckpt.parts
+        )
         # The outer loop wraps the step from outside: after each optimizer step it may move the
         # weights (an outer step), which the publish that follows then serves.
         self.outer: OuterLoop | None = (
@@ -100,8 +103,20 @@ class Trainer:
         ckpt = self.config.ckpt
         step = resume_step(self.config.output_dir / "checkpoints", ckpt.resume_step, ckpt.parts)
         where = f"the trainer checkpoint of step {step} in {self.config.output_dir / 'checkpoints'}"
-        check_base(self.ckpt.read_extra(step).get("lora"), self.lora_record, where)
-        self.ckpt.load(step, self.model, self.optimizer, self.scheduler, states=self._checkpoint_states())
+        saved = self.ckpt.read_extra(step)
+        check_base(saved.get("lora"), self.lora_record, where)
+        check_same_model(saved.get("model"), self.config.model.name, where)
+        self.ckpt.load(
+            step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            states=self._checkpoint_states(),
+            model_name=self.config.model.name,
+        )
+        apply_changed_optim(
+            saved.get("optim"), self.config.optim, self.optimizer, self.scheduler, step, self.config.max_steps
+        )
         if self.outer is not None:  # after the model: it may catch up with newer global weights
             self.outer.load(self.config.output_dir / "checkpoints", step)
         self.start_step = step
@@ -146,14 +161,21 @@ class Trainer:
             shutil.rmtree(self.broadcast_root / f"step_{step}", ignore_errors=True)
 
     def save_checkpoint(self, step: int) -> None:
-        extra = {"lora": self.lora_record} if self.lora_record is not None else {}
+        # What resume checks the config against: the model trained, the optimizer settings that
+        # live on in the optimizer's and scheduler's state.
+        extra: dict[str, Any] = {
+            "model": {"name": self.config.model.name},
+            "optim": self.config.optim.model_dump(mode="json"),
+        }
+        if self.lora_record is not None:
+            extra["lora"] = self.lora_record
         self.ckpt.save(
             step, self.model, self.optimizer, self.scheduler, extra=extra, states=self._checkpoint_states()
         )
         if self.outer is not None:
             root = self.config.output_dir / "checkpoints"
             self.outer.save(root, step)
-            prune_part(root, "diloco", self.config.ckpt.keep, keep_also=step)
+            self.ckpt.commit(step)  # the step is complete once the DiLoCo part is there too
 
     def _checkpoint_states(self) -> dict[str, Any]:
         """State saved beside model and optimizer: the policy copies the loss terms made (an EMA or
@@ -241,6 +263,55 @@ class Trainer:
         }
 
 
+def check_same_model(saved: dict[str, Any] | None, name: str, where: str) -> None:
+    """Refuse to resume ``where`` (trained from ``saved["name"]``) with another ``model.name``."""
+    if saved is not None and saved.get("name") != name:
+        raise ValueError(
+            f"{where} was trained from model.name = {saved.get('name')!r}, but this run's model.name is "
+            f"{name!r}: resume with the model it was trained from, or start a new run (another output_dir)"
+        )
+
+
+def apply_changed_optim(
+    saved: dict[str, Any] | None,
+    cfg: OptimConfig,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    step: int,
+    max_steps: int,
+) -> list[str]:
+    """Apply optimizer settings that changed since the checkpoint was saved (lr, betas, eps,
+    weight_decay), which loading the optimizer's and scheduler's state would otherwise silently
+    undo; log each as changed at ``step``. The schedule itself (warm-up, decay, ``max_steps``) is
+    always the config's. Returns the changed fields."""
+    if saved is None:
+        return []
+    fields = ("lr", "betas", "eps", "weight_decay")
+    now = cfg.model_dump(mode="json")
+    changed = [f for f in fields if f in saved and saved[f] != now[f]]
+    if not changed:
+        return []
+    for name in changed:
+        logger.warning(
+            "trainer.optim.%s changed on resume at step %d: %s -> %s (applied from this step)",
+            name,
+            step,
+            saved[name],
+            now[name],
+        )
+    factor = lr_factor(scheduler.last_epoch, cfg, max_steps)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.lr
+        group["lr"] = cfg.lr * factor
+        group["betas"] = tuple(cfg.betas)
+        group["eps"] = cfg.eps
+        if group["weight_decay"] != 0.0:  # the decayed group (norms and biases never decay)
+            group["weight_decay"] = cfg.weight_decay
+    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # type: ignore[attr-defined]
+    return changed
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The rank-local shard of a DTensor (FSDP2 parameter), the tensor itself otherwise."""
     to_local = getattr(tensor, "to_local", None)
@@ -253,7 +324,10 @@ def train(config: TrainerConfig) -> None:
     world = init_distributed()
     trainer = Trainer(config, world)
     if config.ckpt.resume or config.ckpt.resume_step is not None:
-        trainer.resume()
+        try:
+            trainer.resume()
+        except ValueError as e:  # a checkpoint of another model, a state it lacks: one line, no retry
+            raise RunError(str(e)) from None
     trainer.run()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
