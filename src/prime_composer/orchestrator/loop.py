@@ -193,7 +193,7 @@ class Orchestrator:
     def _save(self, stream: RolloutStream) -> None:
         state = stream.checkpoint_state()
         state.sources = {c.name: part for c in self.channels if (part := c.state_dict())}
-        state.save(self.ckpt_root, self.config.ckpt.keep)
+        state.save(self.ckpt_root, self.config.ckpt.keep, self.config.ckpt.parts)
 
     def _resumed_at(self, step: int) -> bool:
         """The checkpoint of the step we resumed from already exists: don't rewrite it."""

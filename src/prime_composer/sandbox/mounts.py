@@ -119,6 +119,9 @@ def plan(
             logger.warning("sandbox: hidden_paths entry %s is the Python environment; it stays visible", real)
             continue
         hides.add(real)
+    # A hidden folder inside another hidden one is gone already (the outer empty tmpfs covers it,
+    # and mounting over it would fail on its missing mount point).
+    hides = {h for h in hides if not any(o != h and _under(h, o) for o in hides)}
     tmp_targets = sorted({os.path.realpath(p) for p in private_tmp_paths})
     covers = sorted(binds | hides | set(tmp_targets))
 
