@@ -124,14 +124,15 @@ def test_three_tiny_teachers_and_faulty_ones_make_pairs_within_budget(tmp_path):
     models = {name: action_teacher(name) for name in TEACHERS}
     faults = {
         "slow": fake_teacher_app(fixed(PYTEST), fault="slow", delay_s=0.5),
-        "timeout": fake_teacher_app(fixed(PYTEST), fault="timeout", delay_s=3.0),
+        "timeout": fake_teacher_app(fixed(PYTEST), fault="timeout", delay_s=12.0),
         "err500": fake_teacher_app(fixed(PYTEST), fault="500"),
         "err429": fake_teacher_app(fixed(PYTEST), fault="429"),
         "garbage": fake_teacher_app(fixed(PYTEST), fault="garbage"),
     }
     traces = [coding_trace(i) for i in range(4)]
     (tmp_path / "traces.jsonl").write_text("\n".join(json.dumps(t) for t in traces) + "\n")
-    retry = {"timeout_s": 2.0, "max_retries": 1, "backoff_s": 0.0}
+    # 6 s: a tiny model answers well within it on 2 loaded cores (2 s was cut off under load).
+    retry = {"timeout_s": 6.0, "max_retries": 1, "backoff_s": 0.0}
     with contextlib.ExitStack() as stack:
         urls = {}
         for name, path in models.items():
