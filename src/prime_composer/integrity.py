@@ -22,6 +22,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from prime_composer.config.errors import DamagedInputError
 from prime_composer.io import atomic_write_text
 
 ALGORITHM = "sha256"
@@ -29,7 +30,7 @@ MANIFEST_NAME = "MANIFEST.json"
 _CHUNK = 1 << 20
 
 
-class IntegrityError(ValueError):
+class IntegrityError(DamagedInputError, ValueError):
     """A file does not match the digest written with it (or is missing from its directory)."""
 
 

@@ -33,7 +33,14 @@ from pydantic_settings import EnvSettingsSource
 from pydantic_settings.exceptions import SettingsError
 
 from prime_composer.config.channels import plugin_section
-from prime_composer.config.errors import RUN_ERROR_EXIT_CODE, ConfigError, RunError, did_you_mean
+from prime_composer.config.errors import (
+    DAMAGED_INPUT_EXIT_CODE,
+    RUN_ERROR_EXIT_CODE,
+    ConfigError,
+    DamagedInputError,
+    RunError,
+    did_you_mean,
+)
 from prime_composer.config.help import render_help
 from prime_composer.config.introspect import list_item_model, submodel
 
@@ -550,3 +557,6 @@ def run_entry_point(
     except RunError as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return RUN_ERROR_EXIT_CODE
+    except DamagedInputError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return DAMAGED_INPUT_EXIT_CODE

@@ -25,6 +25,18 @@ class RunError(Exception):
 RUN_ERROR_EXIT_CODE = 3
 
 
+class DamagedInputError(Exception):
+    """A file or message another process wrote fails its checks (a digest, the batch format).
+
+    Its message names the file and what to do; entry points print it on one line and exit
+    ``DAMAGED_INPUT_EXIT_CODE``. Unlike a ``RunError``, resuming can help: the writer writes the
+    input again. ``IntegrityError`` and ``BatchFormatError`` are kinds of it.
+    """
+
+
+DAMAGED_INPUT_EXIT_CODE = 1
+
+
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the closest candidate, or ``''`` when none is close."""
     matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)

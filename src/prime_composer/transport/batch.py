@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from prime_composer.config.errors import DamagedInputError
 from prime_composer.integrity import IntegrityError, bytes_digest
 
 FORMAT_VERSION = 4
@@ -48,7 +49,7 @@ CORE_DTYPES: dict[str, torch.dtype] = {
 """Name and dtype of every ``[R, T]`` core tensor of ``MicroBatch``."""
 
 
-class BatchFormatError(ValueError):
+class BatchFormatError(DamagedInputError, ValueError):
     """A micro-batch (or its bytes) does not have the fields, shapes or dtypes the format requires."""
 
 
