@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from prime_composer.config import ports
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+_TAKEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on, never the same one twice in this test process (the
+    library's picker, ``prime_composer.config.ports.free_port``)."""
+    return ports.free_port("127.0.0.1", _TAKEN)
 
 
 def rl_command(output_dir: Path, *overrides: str, config: str = "quickstart.toml") -> list[str]:
