@@ -45,6 +45,10 @@ def rl_command(output_dir: Path, *overrides: str, config: str = "quickstart.toml
         "1",
         "--orchestrator.eval.interval",
         "2",
+        # The warm-up is proven by running, not by its quality: 20 steps (the quickstart's 240
+        # take minutes here); a test that needs a better-trained model sets more after these.
+        "--warmup.max-steps",
+        "20",
         "--warmup.num-examples",
         "320",
         *overrides,
