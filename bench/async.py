@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,14 +35,10 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
+from prime_composer.config.ports import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "quickstart.toml"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def build_model(args: argparse.Namespace) -> Path:
@@ -71,7 +66,7 @@ def run(args: argparse.Namespace, model: Path, level: int, output_dir: Path) -> 
         "--output-dir",
         str(output_dir),
         "--inference.port",
-        str(free_port()),
+        str(free_port("127.0.0.1", set())),
         "--orchestrator.eval.interval",
         "0",
         "--no-orchestrator.advantage.dynamic-sampling",

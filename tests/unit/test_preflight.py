@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from prime_composer.config.errors import ConfigError
+from prime_composer.config.ports import free_port
 from prime_composer.config.resolve import resolve_rl_config
 from prime_composer.launch.preflight import preflight
 
@@ -30,14 +31,8 @@ def in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)  # local environments are found relative to the working directory
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_the_shipped_quickstart_passes(tmp_path: Path) -> None:
-    config, _ = resolve_rl_config(["@", QUICKSTART, "--inference.port", str(free_port())])
+    config, _ = resolve_rl_config(["@", QUICKSTART, "--inference.port", str(free_port("127.0.0.1", set()))])
     preflight(config)
 
 
@@ -56,7 +51,7 @@ def test_the_shipped_quickstart_passes(tmp_path: Path) -> None:
     ],
 )
 def test_each_mistake_is_named(argv: list[str], expected: str) -> None:
-    assert expected in check(["--inference.port", str(free_port()), *argv])
+    assert expected in check(["--inference.port", str(free_port("127.0.0.1", set())), *argv])
 
 
 def test_a_taken_port(tmp_path: Path) -> None:
@@ -96,7 +91,7 @@ def test_smollm2_builtin_names_its_gguf_file_and_needs_the_extra(
             "@",
             QUICKSTART,
             "--inference.port",
-            str(free_port()),
+            str(free_port("127.0.0.1", set())),
             "--model.name",
             "builtin:smollm2-135m-instruct",
         ]

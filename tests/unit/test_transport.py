@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from prime_composer.config.ports import free_port
 from prime_composer.config.transport import TransportConfig
 from prime_composer.integrity import IntegrityError
 from prime_composer.orchestrator.packing import pack_step
@@ -51,12 +51,6 @@ def assert_same(a: list[MicroBatch], b: list[MicroBatch]) -> None:
         for name, tensor in x.core_tensors().items():
             other = y.core_tensors()[name]
             assert other.dtype == tensor.dtype and torch.equal(other, tensor), name
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_bytes_round_trip() -> None:
@@ -193,7 +187,11 @@ def test_filesystem_timeout_names_the_path(tmp_path: Path) -> None:
 
 def test_zmq_round_trip_keyed_by_step(tmp_path: Path) -> None:
     cfg = TransportConfig(
-        kind="zmq", port=free_port(), receive_timeout_s=20, poll_interval_s=0.01, keep_last_steps=3
+        kind="zmq",
+        port=free_port("127.0.0.1", set()),
+        receive_timeout_s=20,
+        poll_interval_s=0.01,
+        keep_last_steps=3,
     )
     steps = {step: make_step(step) for step in range(5)}
     # the trainer connects and asks before the orchestrator's server exists
@@ -228,7 +226,7 @@ def test_zmq_round_trip_keyed_by_step(tmp_path: Path) -> None:
 
 
 def test_zmq_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    port = free_port()
+    port = free_port("127.0.0.1", set())
     monkeypatch.setenv("TEST_TRANSPORT_SECRET", "right")
     monkeypatch.setenv("TEST_TRANSPORT_WRONG", "wrong")
     base = {"kind": "zmq", "port": port, "poll_interval_s": 0.01}
@@ -260,5 +258,8 @@ def test_config_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TEST_TRANSPORT_UNSET", raising=False)
     with pytest.raises(ValueError, match="TEST_TRANSPORT_UNSET"):
         make_sender(
-            TransportConfig(kind="zmq", port=free_port(), secret_env="TEST_TRANSPORT_UNSET"), Path(".")
+            TransportConfig(
+                kind="zmq", port=free_port("127.0.0.1", set()), secret_env="TEST_TRANSPORT_UNSET"
+            ),
+            Path("."),
         )
