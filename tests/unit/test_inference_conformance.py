@@ -20,7 +20,7 @@ from prime_composer.inference.conformance import (
     unknown_fields_error,
 )
 from prime_composer.inference.guard import APIError
-from prime_composer.inference.vllm.chat_checks import ReplyFilter, UnknownCallStats
+from prime_composer.inference.vllm.chat_checks import ReplyFilter, UnknownCallStats, bind_forced_arguments
 
 WEATHER_SCHEMA = {
     "type": "object",
@@ -387,3 +387,12 @@ def test_vllm_replies_lose_calls_of_tools_not_offered() -> None:
     last = chunks[-1]["choices"][0]
     assert last["finish_reason"] == "unknown_tool_call" and '"rm_rf"' in last["delta"]["content"]
     assert stats.num_unknown == 2
+
+
+def test_forced_vllm_requests_bind_arguments_to_the_schema() -> None:
+    tools = [_tool("a", WEATHER_SCHEMA), {"type": "function", "function": {"name": "b", "strict": False}}]
+    body = {"tools": json.loads(json.dumps(tools)), "tool_choice": "required"}
+    assert bind_forced_arguments(body)
+    assert [t["function"].get("strict") for t in body["tools"]] == [True, False]  # an explicit choice stays
+    auto = {"tools": json.loads(json.dumps(tools)), "tool_choice": "auto"}
+    assert not bind_forced_arguments(auto) and "strict" not in auto["tools"][0]["function"]

@@ -69,6 +69,7 @@ from prime_composer.inference.guard import DEFAULT_MAX_BODY_BYTES, APIError, Req
 from prime_composer.inference.vllm.chat_checks import (
     ReplyFilter,
     UnknownCallStats,
+    bind_forced_arguments,
     offered_tools,
     vllm_chat_fields,
 )
@@ -230,6 +231,8 @@ class AdminRoutesMiddleware:
                 await e.response()(scope, receive, send)
                 return
             offered = offered_tools(data)
+            if bind_forced_arguments(data):
+                raw = json.dumps(data).encode()
         if self.adapter is not None:
             raw = route_to_adapter(raw, self.served_model_name, self.adapter)
         if offered is not None:

@@ -14,7 +14,9 @@ their text in ``content`` (as the ``hf`` backend keeps it), sets ``finish_reason
 
 With ``tool_choice = "required"`` or a named function vLLM itself decodes under a grammar (its
 structured outputs: a JSON array of calls of the offered functions, or the named function's
-parameters schema), so those replies are parsable calls already.
+parameters schema); the arguments are bound to the tool's schema only for tools marked
+``strict``, so such requests are forwarded with ``strict: true`` on every tool that does not set
+it (``bind_forced_arguments``), as the ``hf`` backend's grammar holds them to the schema.
 """
 
 from __future__ import annotations
@@ -38,6 +40,22 @@ def vllm_chat_fields() -> frozenset[str] | None:
             continue
         return frozenset(schema.model_fields)
     return None
+
+
+def bind_forced_arguments(body: dict[str, Any]) -> bool:
+    """With ``tool_choice`` required or named, mark every tool that does not say otherwise
+    ``strict`` (in place), so vLLM's grammar binds the arguments to the tool's schema rather than
+    to any JSON value (its ``--tool-strict-level auto``); whether ``body`` changed."""
+    choice, tools = body.get("tool_choice"), body.get("tools")
+    if not (choice == "required" or isinstance(choice, dict)) or not isinstance(tools, list):
+        return False
+    changed = False
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and "strict" not in function:
+            function["strict"] = True
+            changed = True
+    return changed
 
 
 def offered_tools(body: dict[str, Any]) -> frozenset[str] | None:
