@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Protocol
 
 DEFAULT_PARSER = "hermes"
@@ -56,6 +56,8 @@ class ToolCall:
     arguments: str
     """The arguments as a JSON object, serialized (OpenAI's ``function.arguments``)."""
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    source: str = field(default="", compare=False, repr=False)
+    """The text the call was parsed from, markers included (``""`` when not parsed from text)."""
 
     def to_openai(self) -> dict[str, object]:
         return {
@@ -202,10 +204,10 @@ class _TaggedStream:
                 body, text = whole[:at], whole[at + len(close) :]
                 self._inside, self._body, self._body_length, self._tail = False, [], 0, ""
                 call = self._parser.call_from_body(body)
+                block = open_ + body + close
                 if call is not None:
-                    delta.tool_calls.append(call)
+                    delta.tool_calls.append(replace(call, source=block))
                 else:
-                    block = open_ + body + close
                     delta.malformed.append(block)
                     self._content(delta, block)
             else:

@@ -258,6 +258,26 @@ def test_required_and_named_start_the_reply_with_a_call(scripted: str) -> None:
         assert streamed[-1]["choices"][0]["finish_reason"] == finish
 
 
+def test_a_call_of_a_tool_not_offered_is_content_flagged_and_counted(scripted: str) -> None:
+    before = _metrics(scripted)
+    body = {**_ask("two"), "tools": [SEARCH]}  # the script calls get_weather twice
+    choice = _sdk(scripted).chat.completions.create(**body).choices[0]
+    assert choice.message.tool_calls is None
+    assert choice.message.content == f"Checking both.\n{PARIS_CALL}\n{ROME_CALL}"
+    assert choice.finish_reason == "unknown_tool_call" and choice.model_extra["num_unknown_tool_calls"] == 2
+    after = _metrics(scripted)
+    assert (
+        after["prime_composer_tool_calls_unknown_total"]
+        == before["prime_composer_tool_calls_unknown_total"] + 2
+    )
+    assert after["prime_composer_tool_calls_total"] == before["prime_composer_tool_calls_total"]
+    # Streamed: the same content and finish reason, no tool_calls delta.
+    deltas = [c["choices"][0] for c in _raw_stream(scripted, {**body, "stream": True}) if c.get("choices")]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == choice.message.content
+    assert not any(d["delta"].get("tool_calls") for d in deltas)
+    assert deltas[-1]["finish_reason"] == "unknown_tool_call" and deltas[-1]["num_unknown_tool_calls"] == 2
+
+
 # ----------------------------------------------------------------------- the fine-tuned model
 
 
@@ -329,14 +349,12 @@ def test_a_tool_result_comes_back_through_the_template(caller: tuple[str, Path])
 def test_named_tool_choice_forces_the_call_on_the_model(caller: tuple[str, Path]) -> None:
     url, path = caller
     named = {"type": "function", "function": {"name": "get_weather"}}
-    # The model answers ANSWER with prose; forced, the reply starts a get_weather call, and what it
-    # samples after that is its own (no grammar): a get_weather call, or content counted as malformed.
+    # The model answers ANSWER with prose; forced, the reply starts a get_weather call and the rest
+    # is decoded under the call grammar: a get_weather call with JSON object arguments, always.
     forced = _create(url, path, ANSWER, tool_choice=named).choices[0]
-    if forced.message.tool_calls:
-        assert [c.function.name for c in forced.message.tool_calls] == ["get_weather"]
-    else:
-        assert forced.message.content.startswith('<tool_call>\n{"name": "get_weather", "arguments":')
-        assert forced.model_extra["num_malformed_tool_calls"] == 1
+    assert [c.function.name for c in forced.message.tool_calls] == ["get_weather"], forced
+    assert isinstance(json.loads(forced.message.tool_calls[0].function.arguments), dict)
+    assert forced.model_extra["num_malformed_tool_calls"] == 0 and forced.finish_reason == "stop"
     # On PARIS the forced opening is where the model's own call starts: it completes it.
     agreed = _create(url, path, PARIS, tool_choice=named).choices[0]
     assert _calls(agreed.message) == [("get_weather", {"city": "Paris"})] and agreed.finish_reason == "stop"

@@ -400,9 +400,9 @@ def test_vllm_tool_calls_with_the_openai_client(vllm_run: Served) -> None:
         )
 
         # vLLM constrains decoding to the call format for required / named (xgrammar structural
-        # tags): a call of a listed function even where the model itself answers in prose. Its
-        # arguments are some JSON value; the tool's parameter schema binds them only for tools
-        # marked strict (vLLM's --tool-strict-level auto).
+        # tags): a call of a listed function even where the model itself answers in prose. vLLM
+        # binds the arguments to the tool's schema only for tools marked strict (its
+        # --tool-strict-level auto); the admin middleware marks them so for forced calls.
         named = {"type": "function", "function": {"name": "get_weather"}}
         for tool_choice in ("required", named):
             forced = create(ANSWER, tool_choice=tool_choice).choices[0]

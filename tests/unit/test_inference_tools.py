@@ -250,7 +250,7 @@ def test_tools_for_a_template_that_cannot_render_them_are_refused(tokenizer: Any
 
 
 def test_stats_speak_prometheus() -> None:
-    stats = ToolCallStats(num_replies=3, num_calls=4, num_malformed=1)
+    stats = ToolCallStats(num_replies=3, num_calls=4, num_malformed=1, num_unknown=2)
     samples = {
         line.split()[0]: float(line.split()[1])
         for line in stats.prometheus().splitlines()
@@ -260,6 +260,7 @@ def test_stats_speak_prometheus() -> None:
         "prime_composer_tool_call_replies_total": 3,
         "prime_composer_tool_calls_total": 4,
         "prime_composer_tool_calls_malformed_total": 1,
+        "prime_composer_tool_calls_unknown_total": 2,
     }
     assert "# TYPE prime_composer_tool_calls_total counter" in stats.prometheus()
 

@@ -49,29 +49,42 @@ ERROR_TYPES = {
 class APIError(Exception):
     """A refusal, answered as ``{"error": {...}}`` with ``status`` (routes raise it)."""
 
-    def __init__(self, status: int, message: str, error_type: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, error_type: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.error_type = error_type or ERROR_TYPES.get(status, "Error")
+        self.param = param
+        """The request field at fault (OpenAI's ``error.param``), when there is one."""
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return error_response(self.status, self.message, self.error_type, headers, self.param)
 
 
-def error_body(status: int, message: str, error_type: str | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, error_type: str | None = None, param: str | None = None
+) -> dict[str, Any]:
     """OpenAI's error object for ``status``."""
     return {
         "error": {
             "message": message,
             "type": error_type or ERROR_TYPES.get(status, "Error"),
-            "param": None,
+            "param": param,
             "code": status,
         }
     }
 
 
 def error_response(
-    status: int, message: str, error_type: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    error_type: str | None = None,
+    headers: dict[str, str] | None = None,
+    param: str | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, error_type), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, error_type, param), status_code=status, headers=headers)
 
 
 def too_large_message(limit: int) -> str:

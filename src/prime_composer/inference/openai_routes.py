@@ -19,6 +19,10 @@ Tool calls (``tools``, ``tool_choice``; ``tools.py`` has the rules): a parsed ch
 still become a call; a call is sent once it is complete, as two deltas of ``delta.tool_calls``
 with its ``index``: ``id``, ``type`` and ``function.name`` (``arguments`` empty) first, then
 ``function.arguments``. A streamed reply therefore adds up to exactly the non-streamed one.
+Requests are held to OpenAI's rules (``conformance``: unknown fields, tool names and schemas,
+``tool`` messages answering calls); a forced call is decoded under its grammar
+(``GenerationRequest.call``); a call of a function not in ``tools`` is content, flagged by
+``finish_reason = "unknown_tool_call"`` and ``num_unknown_tool_calls``.
 
 Not implemented (said so at run time, never silently): parsing reasoning out of chat replies,
 structured outputs, penalties, ``top_k``/``min_p``, ``echo``, multimodal input.
@@ -146,7 +150,7 @@ def openai_router(state: ServingState) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest) -> Any:
-        body.warn_unknown()
+        body.refuse_unknown()
         check_model(body.model)
         _check_options(body)
         if body.continue_final_message and body.add_generation_prompt:
@@ -157,7 +161,8 @@ def openai_router(state: ServingState) -> APIRouter:
         prompt_ids = await preprocess.chat(body, plan.reply_prefix, plan.function)
         max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(prompt_ids)
         num_top = (body.top_logprobs or 0) if body.logprobs else 0
-        request = GenerationRequest(prompt_ids, sampling_params(body, max_tokens, num_top))
+        call = plan.call_spec(body.tools) if body.tools else None  # checked by the rendering
+        request = GenerationRequest(prompt_ids, sampling_params(body, max_tokens, num_top), call=call)
         submit_checks(request)
         formatter = _ChatFormat(state, body, prompt_ids, plan)
         if body.stream:
@@ -167,7 +172,7 @@ def openai_router(state: ServingState) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:
-        body.warn_unknown()
+        body.refuse_unknown()
         check_model(body.model)
         _check_options(body)
         if body.echo or body.suffix:
@@ -344,8 +349,9 @@ class _ChatFormat:
             message["content"] = reply.content or (None if reply.tool_calls else "")
             if reply.tool_calls:
                 message["tool_calls"] = [call.to_openai() for call in reply.tool_calls]
-            finish_reason = self.plan.finish_reason(c.finish_reason, reader.num_calls)
+            finish_reason = self.plan.finish_reason(c.finish_reason, reader.num_calls, reader.num_unknown)
             choice["num_malformed_tool_calls"] = reader.num_malformed
+            choice["num_unknown_tool_calls"] = reader.num_unknown
         choice.update(logprobs=self._logprobs(c), finish_reason=finish_reason, stop_reason=c.stop_reason)
         if self.body.return_token_ids:
             choice["token_ids"] = c.token_ids
@@ -422,7 +428,9 @@ class _ChatFormat:
         call it completed; the last one carries the finish reason."""
         final = u.finish_reason is not None
         reply = reader.feed(u.text, final)
-        finish_reason = self.plan.finish_reason(u.finish_reason, reader.num_calls) if final else None
+        finish_reason = (
+            self.plan.finish_reason(u.finish_reason, reader.num_calls, reader.num_unknown) if final else None
+        )
         first_index = reader.num_calls - len(reply.tool_calls)
         delta: dict[str, Any] = {"content": reply.content} if reply.content else {}
         if reply.tool_calls:
@@ -445,6 +453,7 @@ class _ChatFormat:
         if final:
             choices[-1]["stop_reason"] = u.stop_reason
             choices[-1]["num_malformed_tool_calls"] = reader.num_malformed
+            choices[-1]["num_unknown_tool_calls"] = reader.num_unknown
             self.state.tool_stats.record(reader)
         return choices
 

@@ -15,7 +15,8 @@ Rules (each refusal is an ``APIError`` naming the field):
 - messages are objects with a string ``role`` and a string, null (rendered as ``""``, as vLLM
   does) or list-of-text-parts ``content``; ``tools`` and the ``tool_calls`` of assistant messages
   are checked and put in the form chat templates expect (``tools.template_tools``,
-  ``tools.template_message``); all on a worker thread, not by the request schema;
+  ``tools.template_message``), with OpenAI's rules on tool names, schemas and which call each
+  ``tool`` message answers (``conformance``); all on a worker thread, not by the request schema;
 - a request with ``tools`` for a template that never reads them is refused (they would be dropped);
 - a reply prefix (``tool_choice`` required or named: ``tools.ToolPlan.reply_prefix``) is appended
   to the rendered text before tokenizing, so the prompt ids end with it;
@@ -36,6 +37,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from prime_composer.inference.conformance import check_tool_messages
 from prime_composer.inference.guard import APIError
 from prime_composer.inference.protocol import ChatCompletionRequest, CompletionRequest
 from prime_composer.inference.tools import template_message, template_reads_tools, template_tools
@@ -175,6 +177,7 @@ class Preprocessor:
                 "them); serve a model whose template does, or leave tools out",
             )
         messages = [template_message(_text_message(m, i), i) for i, m in enumerate(body.messages)]
+        check_tool_messages(messages)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,

@@ -14,8 +14,10 @@ clients talk to either backend the same way. Rules:
   silently ignored;
 - ``stream_options`` only with ``stream = true`` (as OpenAI and vLLM); ``include_usage`` asks for
   the final usage chunk;
-- fields that do not change the output (``user``, ``priority``, ``cache_salt``, ...) are accepted;
-  unknown fields are ignored with a logged warning, as vLLM does.
+- fields that do not change the output (``conformance.IGNORED_FIELDS``: ``user``, ``metadata``,
+  ``priority``, ``cache_salt``, ...) are accepted and ignored; any other unknown field of a chat or
+  text completion is a 400 naming it (OpenAI refuses them too; vLLM would drop them with a
+  warning). The token-in ``/inference/v1/generate`` keeps vLLM's leniency (warned once).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
 
+from prime_composer.inference.conformance import unknown_fields_error
 from prime_composer.inference.requests import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -76,6 +79,12 @@ class _Lenient(BaseModel):
             if name not in _warned_fields:
                 _warned_fields.add(name)
                 logger.warning("ignoring unsupported request field %r (warned once)", name)
+
+    def refuse_unknown(self) -> None:
+        """A 400 for a field that is neither implemented nor in ``conformance.IGNORED_FIELDS``."""
+        error = unknown_fields_error(self.model_extra or {}, ())
+        if error is not None:
+            raise error
 
 
 class _SamplingFields(_Lenient):

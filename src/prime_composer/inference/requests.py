@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from prime_composer.inference.call_grammar import CallSpec
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -34,6 +36,8 @@ class GenerationRequest:
     params: SamplingParams
     detokenize: bool = True
     """Produce text (chat/completions); token-in requests without stop strings skip it."""
+    call: CallSpec | None = None
+    """Decode a forced tool call under this grammar (``tool_choice`` required or named)."""
 
 
 @dataclass

@@ -11,14 +11,21 @@ vLLM define it:
   as text, unparsed and unstripped;
 - ``required`` / a named function (``{"type": "function", "function": {"name": ...}}``): the reply
   is *started* for the model with the parser's opening of a call (``forced_prefix``: for hermes
-  ``<tool_call>\\n``, or ``<tool_call>\\n{"name": "f", "arguments":``), then sampled. Guaranteed:
-  the reply begins with a call (of that function); not guaranteed: that the model closes it with
-  well-formed JSON arguments (no grammar constrains sampling here). A call that does not parse is
-  content and counted, as always. The forced text is part of ``prompt_token_ids`` (it was not
-  sampled: it has no logprob and must not be trained on), ``token_ids`` and ``logprobs`` cover the
-  sampled tokens only. As in OpenAI's API, a named call finishes with ``finish_reason = "stop"``;
+  ``<tool_call>\\n``, or ``<tool_call>\\n{"name": "f", "arguments":``), then sampled under a
+  grammar (``call_grammar``, applied token by token by ``hf.constrain``): the name of an offered
+  tool (``required``), JSON arguments valid for its schema, the call's close, then an end token.
+  The reply is therefore one parsable call, unless ``max_tokens`` cuts it (then it is content,
+  counted as malformed, ``finish_reason = "length"``). The forced text is part of
+  ``prompt_token_ids`` (it was not sampled: it has no logprob and must not be trained on),
+  ``token_ids`` and ``logprobs`` cover the sampled tokens only; their logprobs are those of the
+  constrained distribution. As in OpenAI's API, a named call finishes with
+  ``finish_reason = "stop"``;
 - ``parallel_tool_calls = false``: only the first call is returned (the others are dropped, as
-  vLLM does).
+  vLLM does);
+- a call of a function that is not in ``tools`` (possible with ``auto``) is never returned in
+  ``tool_calls``: its text stays in ``content``, the choice's ``finish_reason`` is
+  ``UNKNOWN_TOOL_FINISH`` (``"unknown_tool_call"``), the choice counts it in
+  ``num_unknown_tool_calls`` and ``/metrics`` in ``prime_composer_tool_calls_unknown_total``.
 
 Each parsed choice carries ``num_malformed_tool_calls`` (a field OpenAI clients ignore), and the
 server counts replies, calls and malformed calls on ``/metrics``. Messages may hold earlier calls
@@ -35,9 +42,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from prime_composer.inference.call_grammar import CallSpec
+from prime_composer.inference.conformance import UNKNOWN_TOOL_FINISH, check_tools
 from prime_composer.inference.guard import APIError
 from prime_composer.inference.protocol import ChatCompletionRequest
-from prime_composer.tool_calls import ReplyDelta, ToolCallParser, get_parser
+from prime_composer.tool_calls import HermesParser, ReplyDelta, ToolCallParser, get_parser
 
 
 @dataclass(frozen=True)
@@ -52,14 +61,31 @@ class ToolPlan:
     """The function ``tool_choice`` names."""
     single_call: bool = False
     """``parallel_tool_calls = false``: return the first call only."""
+    offered: frozenset[str] = frozenset()
+    """The names in ``tools``: a call of any other function is not returned as a call."""
+
+    def call_spec(self, tools: list[dict[str, Any]]) -> CallSpec | None:
+        """The grammar a forced call is decoded under (``None``: not forced, or a parser whose
+        layout the grammar does not know). ``tools`` must be checked (``template_tools``)."""
+        if not self.reply_prefix or not isinstance(self.parser, HermesParser):
+            return None
+        schemas = {
+            t["function"]["name"]: t["function"].get("parameters")
+            for t in tools
+            if self.function is None or t["function"]["name"] == self.function
+        }
+        return CallSpec(schemas, named=self.function is not None, close="\n" + self.parser.CLOSE)
 
     def reader(self) -> ReplyReader:
         assert self.parser is not None, "a plan without a parser returns replies as text"
         return ReplyReader(self)
 
-    def finish_reason(self, reason: str | None, num_calls: int) -> str | None:
+    def finish_reason(self, reason: str | None, num_calls: int, num_unknown: int = 0) -> str | None:
         """OpenAI's: ``tool_calls`` when a reply that stopped by itself made calls, unless a named
-        function was forced (then ``stop``)."""
+        function was forced (then ``stop``); ``UNKNOWN_TOOL_FINISH`` when it called a function
+        that was not offered."""
+        if num_unknown and reason == "stop":
+            return UNKNOWN_TOOL_FINISH
         if num_calls and reason == "stop" and self.function is None:
             return "tool_calls"
         return reason
@@ -93,7 +119,20 @@ def plan_tools(body: ChatCompletionRequest, parser_name: str | None) -> ToolPlan
     prefix = "" if choice == "auto" else parser.forced_prefix(function)
     if prefix and body.continue_final_message:
         raise APIError(400, f"tool_choice = {choice!r} starts a new reply; it cannot continue_final_message")
-    return ToolPlan(parser, prefix, function, single_call=body.parallel_tool_calls is False)
+    offered = frozenset(
+        t["function"]["name"]
+        for t in body.tools
+        if isinstance(t, dict)
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+    )
+    if prefix and body.ignore_eos:
+        raise APIError(
+            400,
+            f"tool_choice = {choice!r} ends the reply after the call; it cannot be combined with ignore_eos",
+            param="ignore_eos",
+        )
+    return ToolPlan(parser, prefix, function, single_call=body.parallel_tool_calls is False, offered=offered)
 
 
 def _named_function(choice: Any) -> str | None:
@@ -121,6 +160,8 @@ class ReplyReader:
         self._stream = plan.parser.stream()
         self.num_calls = 0
         self.num_malformed = 0
+        self.num_unknown = 0
+        self._content_sent = False
         if plan.reply_prefix:  # the forced start opens a call: it hands nothing out by itself
             self._stream.feed(plan.reply_prefix)
 
@@ -128,6 +169,14 @@ class ReplyReader:
         delta = self._stream.feed(text)
         if final:
             delta.extend(self._stream.finish())
+        unknown = [c for c in delta.tool_calls if c.name not in self._plan.offered]
+        if unknown:  # kept as the text the model wrote, never handed out as a call
+            delta.tool_calls = [c for c in delta.tool_calls if c.name in self._plan.offered]
+            self.num_unknown += len(unknown)
+            for call in unknown:
+                joint = "\n" if (self._content_sent or delta.content) else ""
+                delta.content += joint + call.source
+        self._content_sent = self._content_sent or bool(delta.content)
         if self._plan.single_call:
             delta.tool_calls = delta.tool_calls[: max(0, 1 - self.num_calls)]
         self.num_calls += len(delta.tool_calls)
@@ -142,12 +191,14 @@ class ToolCallStats:
     num_replies: int = 0
     num_calls: int = 0
     num_malformed: int = 0
+    num_unknown: int = 0
 
     def record(self, reader: ReplyReader) -> None:
         """Count a finished reply."""
         self.num_replies += 1
         self.num_calls += reader.num_calls
         self.num_malformed += reader.num_malformed
+        self.num_unknown += reader.num_unknown
 
     def prometheus(self) -> str:
         """The counters in Prometheus' text format (what vLLM's ``/metrics`` speaks)."""
@@ -159,6 +210,11 @@ class ToolCallStats:
                 "tool_calls_malformed",
                 self.num_malformed,
                 "Texts that looked like tool calls but did not parse (returned as content).",
+            ),
+            (
+                "tool_calls_unknown",
+                self.num_unknown,
+                "Calls of functions not in the request's tools (returned as content).",
             ),
         ):
             metric = f"prime_composer_{name}_total"
@@ -172,6 +228,7 @@ class ToolCallStats:
 def template_tools(tools: list[dict[str, Any]], function: str | None) -> list[dict[str, Any]]:
     """``tools`` in the form vLLM hands chat templates; a 400 naming ``tools[i]`` for a bad entry,
     or when the function ``tool_choice`` names is not among them."""
+    check_tools(tools)
     out: list[dict[str, Any]] = []
     for i, tool in enumerate(tools):
         spec = tool.get("function")

@@ -41,6 +41,7 @@ import logging
 import math
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from typing import Any
 
 import torch
 
+from prime_composer.inference.hf.constrain import CallConstraint, ConstraintCache
 from prime_composer.inference.hf.detokenize import IncrementalDetokenizer
 from prime_composer.inference.hf.kv_cache import BatchKVCache, RowSource, gather
 from prime_composer.inference.hf.output_head import packed_output_head
@@ -90,6 +92,8 @@ class _Sequence:
     num_tokens: int = 0
     finished: bool = False
     update: ChoiceUpdate | None = None
+    constraint: CallConstraint | None = None
+    """A forced tool call's grammar state (``hf.constrain``), when the request has one."""
 
 
 @dataclass
@@ -138,6 +142,9 @@ class Engine:
         self._swap: _Swap | None = None
         self._weights = WeightSwapper(model)
         self._head = packed_output_head(model)
+        self._constraints = ConstraintCache(tokenizer, self.vocab_size)
+        self.constraint_seconds = 0.0
+        """Time spent masking logits for forced tool calls (a statistic: ``hf.constrain``)."""
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.num_shared_prefix_tokens = 0
@@ -189,6 +196,10 @@ class Engine:
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise ValueError(f"invalid stop_token_ids {bad_stop[:5]}: ids must be in [0, {self.vocab_size})")
+        if request.call is not None and params.ignore_eos:
+            raise ValueError(
+                "a forced tool call ends with an end token: it cannot be combined with ignore_eos"
+            )
         if not 1 <= params.n <= self.max_num_seqs:
             raise ValueError(
                 f"n must be in [1, {self.max_num_seqs}] (inference.max_num_seqs), got {params.n}"
@@ -450,16 +461,28 @@ class Engine:
                 params.stop,
                 params.include_stop_str_in_output,
             )
+        constraint = None
+        if request.call is not None:
+            constraint = CallConstraint(self._constraints.masks(request.call), frozenset(stop_ids))
         return _Sequence(
             handle=handle,
             index=index,
             generator=make_generator(seed, index, self.device),
             stop_ids=frozenset(stop_ids),
             detok=detok,
+            constraint=constraint,
         )
 
     def _sample_and_accept(self, rows: list[_Sequence], logits: torch.Tensor) -> None:
         params = [s.handle.request.params for s in rows]
+        constrained = [i for i, s in enumerate(rows) if s.constraint is not None]
+        if constrained:
+            started = time.perf_counter()
+            masks = torch.stack([rows[i].constraint.mask() for i in constrained]).to(logits.device)  # type: ignore[union-attr]
+            index = torch.tensor(constrained, device=logits.device)
+            logits = logits.float()  # a copy when it was not float32 already; indexed assignment below
+            logits[index] = logits[index].masked_fill(~masks, float("-inf"))
+            self.constraint_seconds += time.perf_counter() - started
         sampled = sample_rows(
             logits,
             temperatures=[p.temperature for p in params],
@@ -484,6 +507,8 @@ class Engine:
         update.token_ids.append(token)
         update.logprobs.append(logprob)
         update.top_logprobs.append(top)
+        if seq.constraint is not None:
+            seq.constraint.accept(token)
         if seq.detok is not None:
             seq.detok.add(token)
         if token in seq.stop_ids:

@@ -205,7 +205,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
         headers = {"Retry-After": "1"} if e.status == 429 else None
-        return error_response(e.status, e.message, e.error_type, headers)
+        return e.response(headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:

@@ -23,7 +23,11 @@ paths itself and passes every other request, streaming included, to vLLM untouch
   weights itself (``W0 + scale * B @ A``, never on top of the previous adapter);
 - ``POST /reload_weights``: the same with the base weights (and no adapter);
 - ``GET /health``: vLLM's engine health check, answered with the ``hf`` backend's body
-  ``{"status", "model", "weights": {"path", "step"}}``.
+  ``{"status", "model", "weights": {"path", "step"}}``;
+- ``POST /v1/chat/completions``: checked with OpenAI's rules first (``chat_checks``: a 400 for
+  a ``tool`` message answering no call, invalid tool names or schemas, unknown fields, ...), then
+  passed to vLLM, its reply filtered for calls of functions that were not offered; ``GET
+  /metrics`` gets the count of those calls appended.
 
 Both weight routes run through ``weight_updates.WeightUpdates`` (the same handler as the ``hf``
 server's: path checks, adapter or whole weights, one update at a time, what ``/health`` reports),
@@ -60,7 +64,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from prime_composer.inference.conformance import check_chat_body
 from prime_composer.inference.guard import DEFAULT_MAX_BODY_BYTES, APIError, RequestGuard, error_response
+from prime_composer.inference.vllm.chat_checks import (
+    ReplyFilter,
+    UnknownCallStats,
+    bind_forced_arguments,
+    offered_tools,
+    vllm_chat_fields,
+)
 from prime_composer.inference.weight_updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
@@ -113,6 +125,8 @@ class AdminRoutesMiddleware:
             raise ValueError(f"inference.secret_env = {secret_env!r}, but that variable is unset or empty")
         self.updates = WeightUpdates(self.broadcast_root)
         self.adapter: str | None = None  # the LoRA adapter generation requests are routed to
+        self.unknown_calls = UnknownCallStats()
+        self._chat_fields: frozenset[str] | bool | None = False  # False: not looked up yet
         self._lock: asyncio.Lock | None = None  # made lazily, inside the server's event loop
         self._guarded = RequestGuard(
             self._dispatch,
@@ -134,8 +148,14 @@ class AdminRoutesMiddleware:
             if route is not None and route[1] in ("/update_weights", "/reload_weights"):
                 await error_response(405, f"{route[1]} takes POST")(scope, receive, send)
                 return
+            if route == ("POST", "/v1/chat/completions"):
+                await self._chat(scope, receive, send)
+                return
             if self.adapter is not None and route in GENERATION_ROUTES:
                 await self._to_adapter(scope, receive, send, self.adapter)
+                return
+            if route == ("GET", "/metrics"):
+                await self.app(scope, receive, _appending(send, self.unknown_calls.prometheus().encode()))
                 return
             await self.app(scope, receive, send)
             return
@@ -191,18 +211,43 @@ class AdminRoutesMiddleware:
         )
         self.adapter = None
 
+    async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A chat request, checked (``chat_checks``) before vLLM sees it; its reply filtered for
+        calls of functions that were not offered."""
+        raw = await _read_body(receive)
+        if raw is None:
+            return
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            data = None  # vLLM answers a malformed body itself
+        offered = None
+        if isinstance(data, dict):
+            if self._chat_fields is False:
+                self._chat_fields = vllm_chat_fields()
+            try:
+                await asyncio.to_thread(check_chat_body, data, self._chat_fields or None)
+            except APIError as e:
+                await e.response()(scope, receive, send)
+                return
+            offered = offered_tools(data)
+            if bind_forced_arguments(data):
+                raw = json.dumps(data).encode()
+        if self.adapter is not None:
+            raw = route_to_adapter(raw, self.served_model_name, self.adapter)
+        if offered is not None:
+            send = _filtering(send, ReplyFilter(offered, self.unknown_calls))
+        await self._replay(scope, receive, send, raw)
+
     async def _to_adapter(self, scope: Scope, receive: Receive, send: Send, adapter: str) -> None:
         """Pass a generation request to vLLM with its ``model`` set to ``adapter``: the whole body
         is read (the guard has already bounded its size), rewritten and replayed."""
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = route_to_adapter(b"".join(chunks), self.served_model_name, adapter)
+        raw = await _read_body(receive)
+        if raw is None:
+            return
+        await self._replay(scope, receive, send, route_to_adapter(raw, self.served_model_name, adapter))
+
+    async def _replay(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         replayed = False
@@ -312,6 +357,78 @@ def unload_adapter_request(name: str) -> Any:
     from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
 
     return UnloadLoRAAdapterRequest(lora_name=name)
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The whole request body (the guard has bounded its size); ``None`` if the client left."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _filtering(send: Send, reply: ReplyFilter) -> Send:
+    """``send`` with a chat reply rewritten by ``reply``: a whole JSON body is held until complete
+    (its length changes), an event stream rewritten event by event."""
+    start: Message | None = None
+    streaming = False
+    held: list[bytes] = []
+
+    async def filtered(message: Message) -> None:
+        nonlocal start, streaming
+        if message["type"] == "http.response.start":
+            headers = dict((k.lower(), v) for k, v in message.get("headers", []))
+            if message.get("status") != 200:
+                start = None
+                await send(message)
+                return
+            streaming = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            if streaming:
+                await send(message)
+            else:
+                start = message
+            return
+        if message["type"] != "http.response.body":
+            await send(message)
+            return
+        more = message.get("more_body", False)
+        if streaming:
+            await send({**message, "body": reply.chunk(message.get("body", b""), final=not more)})
+            return
+        if start is None:  # an error answer: passed as it is
+            await send(message)
+            return
+        held.append(message.get("body", b""))
+        if more:
+            return
+        body = reply.whole(b"".join(held))
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    return filtered
+
+
+def _appending(send: Send, extra: bytes) -> Send:
+    """``send`` with ``extra`` appended to a successful response's body (``/metrics``)."""
+    ok = False
+
+    async def appending(message: Message) -> None:
+        nonlocal ok
+        if message["type"] == "http.response.start":
+            ok = message.get("status") == 200
+            if ok:
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"content-length"]
+                message = {**message, "headers": headers}
+        elif message["type"] == "http.response.body" and ok and not message.get("more_body", False):
+            message = {**message, "body": message.get("body", b"") + extra}
+        await send(message)
+
+    return appending
 
 
 def _engine(request: Request) -> Any:
