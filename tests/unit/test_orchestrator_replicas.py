@@ -211,3 +211,16 @@ def test_a_refused_update_stops_the_run_with_replicas_too(tmp_path: Path, server
     sync = PolicySync(tmp_path, [s.url for s in servers], poll_s=0.01, timeout_s=1)
     with pytest.raises(WeightSyncError, match="http_403"):
         asyncio.run(sync.ensure(1))
+
+
+def test_a_call_that_fails_on_every_serving_replica_is_a_502() -> None:
+    pool = ReplicaPool([refused_url(), refused_url()], ReplicasConfig(max_failures=5, wait_s=0))
+
+    async def scenario() -> httpx.Response:
+        async with pool, ReplicaRouter(pool) as base_url, httpx.AsyncClient() as client:
+            return await client.post(f"{base_url}/chat/completions", json={})
+
+    response = asyncio.run(scenario())
+    assert response.status_code == 502
+    assert "failed on every inference replica" in response.json()["error"]["message"]
+    assert [r.failures_in_a_row for r in pool.replicas] == [1, 1] and len(pool.alive) == 2

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import time
@@ -335,23 +336,28 @@ class ReplicaRouter:
         assert self._http is not None
         tried: set[int] = set()
         last: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None
+        error = ""
         while True:
             replica = await self.pool.wait_serving(frozenset(tried))
             if replica is None:
                 if last is not None:
                     return last
+                if self.pool.serving():  # every replica that serves was tried and gave no answer
+                    message = f"the call failed on every inference replica that serves ({error})"
+                    return 502, [(b"content-type", b"application/json")], _error_json(message, 502)
                 message = (
                     f"no inference replica serves the current weights (step {self.pool.step}); "
                     f"{len(self.pool.alive)} of {len(self.pool.replicas)} in the pool"
                 )
-                return 503, [(b"content-type", b"application/json")], _error_json(message)
+                return 503, [(b"content-type", b"application/json")], _error_json(message, 503)
             if tried:
                 self.pool.num_failovers += 1
             tried.add(replica.index)
             try:
                 response = await self._http.request(method, replica.url + path, headers=headers, content=body)
             except httpx.HTTPError as e:
-                self.pool.release(replica, f"{type(e).__name__}: {e}")
+                error = f"{type(e).__name__}: {e}"
+                self.pool.release(replica, error)
                 continue
             except BaseException:
                 self.pool.release(replica)
@@ -372,10 +378,8 @@ class ReplicaRouter:
             return answer
 
 
-def _error_json(message: str) -> bytes:
-    import json
-
-    return json.dumps({"error": {"message": message, "type": "no_replica", "code": 503}}).encode()
+def _error_json(message: str, code: int) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "no_replica", "code": code}}).encode()
 
 
 @contextlib.asynccontextmanager
