@@ -4,7 +4,7 @@
 orchestrator and the trainer; after the first step is logged the test SIGKILLs replica 0's
 process. The run must finish every step with the other replica (the launcher reports the lost
 one, the pool takes it out), and the metrics must show it: one death, one replica alive, calls on
-replica 1 only after the kill. Plus the launcher's rule for a group of services, with fake
+replica 1 only once the death is recorded, no failed rollout. Plus the launcher's rule for a group of services, with fake
 children.
 """
 
@@ -100,7 +100,7 @@ def _metrics(out: Path) -> list[dict]:
 @pytest.mark.slow
 def test_two_replicas_one_killed_mid_run(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    max_steps = 4
+    max_steps = 5
     argv = [
         sys.executable,
         "-m",
@@ -158,8 +158,10 @@ def test_two_replicas_one_killed_mid_run(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == list(range(max_steps))
     last = rows[-1]
     assert last["replicas/alive"] == 1 and last["replicas/deaths"] == 1
-    # After the kill (and the step it happened in), replica 1 alone served.
-    after = rows[killed_after + 1 :]
+    # Once a step's metrics record the death, replica 1 alone serves (rollouts run ahead of the
+    # step that logs them, so which step that is depends on timing).
+    dead_from = next(i for i, r in enumerate(rows) if r["replicas/deaths"] == 1)
+    after = rows[dead_from + 1 :]
     assert after and all(r["replicas/0/calls"] == 0 and r["replicas/1/calls"] > 0 for r in after)
     # The calls in flight on the killed replica were sent to the other: no rollout failed.
     assert all(r["samples/generated"] > 0 and r["samples/errors"] == 0 for r in rows)
