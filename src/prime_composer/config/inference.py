@@ -133,6 +133,14 @@ class InferenceConfig(BaseConfig):
     vllm: VLLMConfig = VLLMConfig()
     """``vllm`` backend settings (interpreter, parallelism, memory, extra server arguments)."""
 
+    num_replicas: int = Field(default=1, ge=1, le=64)
+    """Copies of the server ``rl`` starts on this node, each its own process on its own port with
+    its own log (``logs/inference-<i>.log``); the orchestrator spreads rollouts over them and
+    updates them all (``orchestrator.base_url`` becomes their list). The first takes ``port``, the
+    others free ports. With ``launch.gpus.inference`` the GPUs are split into ``num_replicas``
+    equal groups in order (``[0, 1]`` with 2 replicas: GPU 0 and GPU 1). The run goes on while one
+    replica is alive. Read by ``rl`` only (one ``inference`` process is one replica)."""
+
     @property
     def num_gpus(self) -> int:
         """GPUs one replica of the server takes: vLLM's tensor-parallel shards; 0 for ``hf``, which

@@ -66,14 +66,42 @@ class FailureConfig(BaseConfig):
     had equal rewards, or was too stale)."""
 
 
+class ReplicasConfig(BaseConfig):
+    """How the orchestrator treats several inference servers (``base_url`` as a list): when one is
+    taken out and how it is brought back (``orchestrator/replicas.py``)."""
+
+    max_failures: int = Field(default=3, ge=1)
+    """Failed calls in a row (connection refused or reset, timeout, 5xx) after which a replica is
+    taken out; a call that succeeds resets the count. A replica that fails to load new weights is
+    taken out at once (it cannot serve the current policy)."""
+
+    retry_s: float = Field(default=5.0, gt=0)
+    """Seconds between health checks of a replica that was taken out; it serves again once its
+    ``/health`` answers and it has loaded the current weights."""
+
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Time limit of one relayed call; a replica past it counts one failure and the call is sent
+    to another."""
+
+    wait_s: float = Field(default=60.0, ge=0)
+    """How long a call waits for a replica that serves the current weights when none does (all
+    taken out) before it fails (and its rollout becomes an error sample)."""
+
+
 class OrchestratorConfig(CommonConfig, ChannelSections):
     """The orchestrator: samples rollouts, scores them, computes advantages, packs batches (and a
     registered plugin channel's ``orchestrator.<name>`` section: ``config/channels.py``)."""
 
     channel_kind: ClassVar[Literal["loss", "orchestrator"]] = "orchestrator"
 
-    base_url: str = "http://127.0.0.1:8000/v1"
-    """OpenAI-compatible endpoint of the inference server (the ``rl`` launcher sets it)."""
+    base_url: str | list[str] = "http://127.0.0.1:8000/v1"
+    """OpenAI-compatible endpoint of the inference server (the ``rl`` launcher sets it), or a list
+    of several replicas of it (PRIME-RL's ``client.base_url`` list): rollouts go to the replica with
+    the fewest calls in flight among those that serve the current weights, every weight update goes
+    to all of them, and a replica that fails is taken out and retried (``replicas``)."""
+
+    replicas: ReplicasConfig = ReplicasConfig()
+    """When a replica of a ``base_url`` list is taken out and brought back."""
 
     inference_secret_env: str | None = None
     """Name of the environment variable with the inference server's admin secret, sent with
@@ -138,8 +166,22 @@ class OrchestratorConfig(CommonConfig, ChannelSections):
     weights_timeout_s: float = Field(default=3600.0, gt=0)
     """Give up (exit with an error) if the weights a step needs do not appear within this time."""
 
+    @property
+    def server_urls(self) -> list[str]:
+        """``base_url`` as a list (one element for a single server)."""
+        return [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
+
     @model_validator(mode="after")
     def _check(self) -> Self:
+        urls = self.server_urls
+        if not urls:
+            raise ValueError(
+                "orchestrator.base_url = []: give the inference server's URL (or a list of several)"
+            )
+        if len(set(urls)) != len(urls):
+            raise ValueError(
+                f"orchestrator.base_url = {urls}: a server is listed twice; list each replica once"
+            )
         if self.batch_size % self.group_size:
             raise ValueError(
                 f"orchestrator.batch_size ({self.batch_size}) must be a multiple of orchestrator.group_size "

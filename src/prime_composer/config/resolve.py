@@ -8,7 +8,7 @@ from typing import cast
 from prime_composer.config.channels import Pairing, Switched, Weighted, channels
 from prime_composer.config.cli import CliOptions, build_config, origin_of
 from prime_composer.config.errors import ConfigError
-from prime_composer.config.ports import assign_free_ports
+from prime_composer.config.ports import assign_free_ports, free_port
 from prime_composer.config.prime_rl import PrimeRLNames
 from prime_composer.config.processes import SECTION_NAMES, checkpoint_parts
 from prime_composer.config.rl import RLConfig
@@ -46,7 +46,14 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
     _copy_diloco(config, origins)
     _copy_lora_rank(config, origins)
     inference = config.inference
-    expected = f"http://{client_host(inference.host)}:{inference.port}/v1"
+    expected: str | list[str] = f"http://{client_host(inference.host)}:{inference.port}/v1"
+    if inference.num_replicas > 1:  # the first replica on inference.port, the others on free ports
+        taken = {inference.port, *([config.teacher.port] if config.teacher is not None else [])}
+        taken |= {config.transport.port} if config.transport.kind == "zmq" else set()
+        ports = [inference.port] + [
+            free_port(inference.host, taken) for _ in range(inference.num_replicas - 1)
+        ]
+        expected = [f"http://{client_host(inference.host)}:{port}/v1" for port in ports]
     if "base_url" in config.orchestrator.model_fields_set and config.orchestrator.base_url != expected:
         raise ConfigError(
             f"{origin_of('orchestrator.base_url', origins)}: "
@@ -85,6 +92,18 @@ def _check_gpus(config: RLConfig, origins: dict[str, str]) -> None:
         raise ConfigError(
             f"{where}: launch.gpus.inference has {len(gpus['inference'])} GPUs but "
             f"inference.vllm.tensor_parallel_size = {tensor_parallel}; give it at least that many"
+        )
+    replicas = config.inference.num_replicas
+    if "inference" in gpus and replicas > 1 and len(gpus["inference"]) % replicas:
+        raise ConfigError(
+            f"{where}: launch.gpus.inference has {len(gpus['inference'])} GPUs for inference.num_replicas = "
+            f"{replicas}; each replica takes an equal share in order, so give a multiple of {replicas}"
+        )
+    if "inference" in gpus and len(gpus["inference"]) // replicas < config.inference.num_gpus:
+        raise ConfigError(
+            f"{where}: launch.gpus.inference gives each of the {replicas} replicas "
+            f"{len(gpus['inference']) // replicas} GPUs but inference.vllm.tensor_parallel_size = "
+            f"{tensor_parallel}; give every replica at least that many"
         )
 
 

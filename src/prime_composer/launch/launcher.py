@@ -8,6 +8,8 @@ later the teacher service) and a progress callback. Rules:
 - the run succeeds when every ``job`` has exited 0; ``service``s are then stopped;
 - the first process to fail (a job exiting non-zero, or a service exiting at all) fails the run:
   the launcher names it, prints the tail of its log and the resume hint, and stops the others;
+  a service of a ``group`` (inference replicas) that exits is reported once, and fails the run
+  only when it was the last of its group running;
 - SIGINT / SIGTERM stop everything cleanly (exit 130 / 143).
 """
 
@@ -52,6 +54,8 @@ class Launcher:
         self.on_tick = on_tick
         self.echo = echo
         self._signal: int | None = None
+        self._lost: set[str] = set()
+        """Services of a group that exited while others of the group ran on."""
 
     # ------------------------------------------------------------------------------------ public
 
@@ -133,6 +137,15 @@ class Launcher:
                 if code is None:
                     continue
                 if proc.spec.kind == "service":
+                    if proc.name in self._lost:
+                        continue
+                    if self._others_of_group_run(proc):
+                        self._lost.add(proc.name)
+                        self.echo(
+                            f"warning: {proc.name} exited with code {code}; the run goes on with the other "
+                            f"{proc.spec.group} replicas (log: {proc.log_path})"
+                        )
+                        continue
                     return self._failure(proc, f"exited with code {code} while the run needed it", code)
                 if code != 0:
                     return self._failure(proc, f"exited with code {code}", code)
@@ -141,6 +154,12 @@ class Launcher:
             if jobs and all(p.poll() == 0 for p in jobs):  # with no jobs: run until stopped
                 return LaunchResult(0)
             time.sleep(self.poll_s)
+
+    def _others_of_group_run(self, proc: ManagedProcess) -> bool:
+        group = proc.spec.group
+        return group is not None and any(
+            p is not proc and p.spec.group == group and p.poll() is None for p in self.processes
+        )
 
     def _failure(self, proc: ManagedProcess, what: str, exit_code: int | None = None) -> LaunchResult:
         reason = f"{proc.name} {what}"

@@ -29,6 +29,9 @@ class ProcessSpec:
     health_url: str | None = None
     """Polled after start; processes started after this one wait until it answers 200."""
     env: dict[str, str] = field(default_factory=dict)
+    group: str | None = None
+    """Services of one group are replicas of each other (``inference-0``, ``inference-1``): one
+    that exits is reported and the run goes on while another of the group runs."""
 
 
 class ManagedProcess:

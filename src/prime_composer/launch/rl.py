@@ -18,9 +18,11 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from prime_composer.checkpoint_layout import find_resume_point
 from prime_composer.config.errors import RUN_ERROR_EXIT_CODE, ConfigError
+from prime_composer.config.inference import InferenceConfig
 from prime_composer.config.processes import enabled_processes
 from prime_composer.config.resolve import (
     ENV_PREFIX,
@@ -53,7 +55,28 @@ def write_resolved_configs(config: RLConfig) -> dict[str, Path]:
         paths[process.name] = config_dir / f"{process.name}.json"
         section = getattr(config, process.name)
         atomic_write_text(paths[process.name], json.dumps(section.model_dump(mode="json"), indent=2) + "\n")
+    replicas = inference_replicas(config)
+    if len(replicas) > 1:  # one config per replica: inference-<i>.json, each with its own port
+        for i, replica in enumerate(replicas):
+            paths[f"inference-{i}"] = config_dir / f"inference-{i}.json"
+            atomic_write_text(
+                paths[f"inference-{i}"], json.dumps(replica.model_dump(mode="json"), indent=2) + "\n"
+            )
     return paths
+
+
+def inference_replicas(config: RLConfig) -> list[InferenceConfig]:
+    """The config of each inference replica ``rl`` starts: the section itself for one, copies on
+    the ports of ``orchestrator.base_url`` (which the resolver chose) for several."""
+    if config.inference.num_replicas == 1:
+        return [config.inference]
+    ports = [urlsplit(url).port for url in config.orchestrator.server_urls]
+    return [config.inference.model_copy(update={"port": port}) for port in ports]
+
+
+def _health_url(section: Any, path: str) -> str:
+    host = "127.0.0.1" if section.host in ("0.0.0.0", "::", "") else section.host
+    return f"http://{host}:{section.port}{path}"
 
 
 def check_resumed_model(config: RLConfig) -> None:
@@ -83,15 +106,16 @@ def build_specs(config: RLConfig, config_paths: dict[str, Path]) -> list[Process
     """The processes of one run (``config/processes.py``), in start order."""
     specs = []
     for process in enabled_processes(config):
+        if process.name == "inference" and config.inference.num_replicas > 1:
+            specs += _replica_specs(config, config_paths, process.module, process.health_path or "/health")
+            continue
         argv = ["-m", process.module, "@", str(config_paths[process.name])]
         num_ranks = process.num_ranks(config) if process.num_ranks is not None else 1
         if num_ranks > 1:
             argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_ranks}", *argv]
         health_url = None
         if process.health_path is not None:
-            section = getattr(config, process.name)
-            host = "127.0.0.1" if section.host in ("0.0.0.0", "::", "") else section.host
-            health_url = f"http://{host}:{section.port}{process.health_path}"
+            health_url = _health_url(getattr(config, process.name), process.health_path)
         gpus = config.launch.gpus.get(process.name)
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
         specs.append(
@@ -101,6 +125,30 @@ def build_specs(config: RLConfig, config_paths: dict[str, Path]) -> list[Process
                 kind=process.kind,
                 health_url=health_url,
                 env=env,
+            )
+        )
+    return specs
+
+
+def _replica_specs(
+    config: RLConfig, config_paths: dict[str, Path], module: str, health_path: str
+) -> list[ProcessSpec]:
+    """One ``inference-<i>`` service per replica, each with its own config, port, log and share of
+    ``launch.gpus.inference``; the run goes on while one of them is up (``group``)."""
+    replicas = inference_replicas(config)
+    gpus = config.launch.gpus.get("inference")
+    share = len(gpus) // len(replicas) if gpus else 0
+    specs = []
+    for i, replica in enumerate(replicas):
+        mine = gpus[i * share : (i + 1) * share] if gpus else []
+        specs.append(
+            ProcessSpec(
+                name=f"inference-{i}",
+                argv=[sys.executable, "-m", module, "@", str(config_paths[f"inference-{i}"])],
+                kind="service",
+                health_url=_health_url(replica, health_path),
+                env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, mine))} if mine else {},
+                group="inference",
             )
         )
     return specs

@@ -16,6 +16,10 @@ for step s+1 run while step s's slowest ones finish. For step ``s`` the loop
    their terms' tensors);
 6. **logs** ``metrics/orchestrator.jsonl``.
 
+With several inference replicas (``base_url`` a list) rollouts go through the pool's relay
+(``replicas.py``): least in flight among the replicas on the current weights, a replica that fails
+taken out and retried; the step's metrics then carry ``replicas/*``.
+
 The loop names no channel: they are built from the registry (``channels/``, ``main.py``) and
 passed in. It never imports trainer or model code: it talks to the server over HTTP and to the trainer
 through ``transport``.
@@ -39,6 +43,7 @@ from prime_composer.orchestrator.channel import OrchestratorChannel
 from prime_composer.orchestrator.envs import LoadedEnv
 from prime_composer.orchestrator.packing import GroupPacker, pack_step
 from prime_composer.orchestrator.policy import PolicySync
+from prime_composer.orchestrator.replicas import ReplicaPool, rollout_url
 from prime_composer.orchestrator.rollout import API_KEY_VAR, RolloutRunner
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.state import OrchestratorState, choose_env, task_index
@@ -79,6 +84,8 @@ class Orchestrator:
             if not tasks:
                 raise ValueError(f"orchestrator.env[{loaded.index}] (id={loaded.config.id!r}) has no tasks")
         self.metrics = MetricsLogger(config.output_dir, "orchestrator")
+        self.pool = ReplicaPool(config.server_urls, config.replicas)
+        """The inference servers rollouts and weight updates go to (one, or several replicas)."""
 
     # --------------------------------------------------------------------------------- the loop
 
@@ -92,7 +99,7 @@ class Orchestrator:
             logger.info("resumed at step %d (%d groups drawn)", step, self.state.groups_drawn)
         policy = PolicySync(
             config.output_dir / "broadcasts",
-            config.base_url,
+            self.pool,
             secret_env=config.inference_secret_env,
             poll_s=config.weights_poll_s,
             timeout_s=config.weights_timeout_s,
@@ -106,9 +113,11 @@ class Orchestrator:
             if len(shaping) > 1:
                 raise ValueError("more than one channel shapes the rewards (process_rewards)")
             async with (
+                self.pool,
+                rollout_url(self.pool) as base_url,
                 RolloutRunner(
                     self.envs,
-                    base_url=config.base_url,
+                    base_url=base_url,
                     model=config.model.name,
                     sampling=config.sampling,
                     rollout=config.rollout,
@@ -181,6 +190,8 @@ class Orchestrator:
         sender.send(step, rank_batches)
         metrics.update(self._step_metrics(step, rollouts))
         metrics.update(stats.metrics())
+        if len(self.pool.replicas) > 1:
+            metrics.update(self.pool.metrics())
         self.metrics.log(step, metrics)
         logger.info(
             "step %d: reward %.3f, %d samples, policy lag %s",

@@ -1,0 +1,167 @@
+"""Benchmark: rollouts per second with two inference replicas against one, on the same machine.
+
+Starts two ``hf`` inference servers as their own processes (one torch thread each, a Qwen3 built
+offline, ``--hidden``/``--layers``) and drives them the way the orchestrator does: one server is
+called directly (a single ``base_url``), two through the replica pool's relay
+(``orchestrator/replicas.py``: least in flight, step gating). A rollout is one token-in
+``/inference/v1/generate`` call of ``--max-tokens`` sampled tokens (``ignore_eos``, so every
+rollout costs the same), ``--concurrency`` of them in flight. The phases alternate (1, 2, 1, 2,
+...) so that load from elsewhere on the machine hits both alike; each side's rate is the median of
+its rounds. The last line is
+
+    replicas_ratio = rollouts/s with 2 replicas / rollouts/s with 1        (target >= 1.8)
+
+The relay runs in the benchmark's process, as it would in the orchestrator's, and needs CPU too:
+on a 2-core machine the two servers and the caller share the cores, so expect less than 2.
+
+    uv run python bench/replicas.py                      # ~2 min
+    uv run python bench/replicas.py --rounds 3 --num-rollouts 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def build_model(args: argparse.Namespace) -> Path:
+    from prime_composer.model.tiny import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(
+        hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers
+    )
+    return build_tiny_model(spec)
+
+
+def start_server(model: Path, work: Path, index: int) -> tuple[subprocess.Popen[bytes], str]:
+    from prime_composer.config.base import ModelConfig
+    from prime_composer.config.inference import InferenceConfig
+
+    port = free_port()
+    config = InferenceConfig(
+        model=ModelConfig(name=str(model)), port=port, num_threads=1, device="cpu", output_dir=work
+    )
+    path = work / f"inference-{index}.json"
+    path.write_text(json.dumps(config.model_dump(mode="json")))
+    log = open(work / f"inference-{index}.log", "wb")  # noqa: SIM115 - kept open for the child
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prime_composer.inference.main", "@", str(path)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    root = url.removesuffix("/v1")
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server at {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{root}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server at {url} did not start in {timeout_s:.0f} s")
+
+
+async def measure(urls: list[str], args: argparse.Namespace, model: str) -> float:
+    """Rollouts per second of ``args.num_rollouts`` generate calls, ``args.concurrency`` in flight."""
+    from prime_composer.orchestrator.replicas import ReplicaPool, rollout_url
+
+    pool = ReplicaPool(urls)
+    params = {"max_tokens": args.max_tokens, "temperature": 1.0, "logprobs": 0, "n": 1, "ignore_eos": True}
+    async with pool, rollout_url(pool) as base_url:
+        root = base_url.removesuffix("/v1")
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=args.concurrency)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            queue: asyncio.Queue[int] = asyncio.Queue()
+            for i in range(args.num_rollouts):
+                queue.put_nowait(i)
+
+            async def worker() -> None:
+                while not queue.empty():
+                    i = queue.get_nowait()
+                    body = {"model": model, "token_ids": [5 + i % 50, 6, 7, 8], "sampling_params": params}
+                    response = await client.post(f"{root}/inference/v1/generate", json=body)
+                    response.raise_for_status()
+
+            await asyncio.gather(*(worker() for _ in range(min(4, args.concurrency))))  # warm
+            for i in range(args.num_rollouts):
+                queue.put_nowait(i)
+            start = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            return args.num_rollouts / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--num-rollouts", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    model = build_model(args)
+    with tempfile.TemporaryDirectory(prefix="bench-replicas-") as tmp:
+        work = Path(tmp)
+        servers = [start_server(model, work, i) for i in range(2)]
+        try:
+            for proc, url in servers:
+                wait_healthy(url, proc)
+            urls = [url for _, url in servers]
+            one: list[float] = []
+            two: list[float] = []
+            for r in range(args.rounds):
+                one.append(asyncio.run(measure(urls[:1], args, str(model))))
+                two.append(asyncio.run(measure(urls, args, str(model))))
+                print(
+                    f"round {r}: 1 replica {one[-1]:.2f} rollouts/s, 2 replicas {two[-1]:.2f} rollouts/s",
+                    flush=True,
+                )
+        finally:
+            for proc, _ in servers:
+                proc.terminate()
+            for proc, _ in servers:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    print(
+        f"model: Qwen3 hidden {args.hidden}, {args.layers} layers; {args.max_tokens} tokens per rollout, "
+        f"{args.concurrency} in flight, {args.num_rollouts} rollouts per round, one torch thread per replica"
+    )
+    print(f"replicas_1_rollouts_per_s={median(one):.3f}")
+    print(f"replicas_2_rollouts_per_s={median(two):.3f}")
+    print(f"replicas_ratio={median(two) / median(one):.3f}")
+
+
+if __name__ == "__main__":
+    main()
