@@ -65,3 +65,15 @@ def test_a_dc_without_its_secret_fails_the_preflight(monkeypatch: pytest.MonkeyP
         preflight(config)
     except ConfigError as e:  # other checks of this machine may fail; the secret's must not
         assert "diloco" not in str(e), e
+
+
+def test_the_recipe_as_two_dcs_shards_each_trainer_and_shares_the_outer_loop() -> None:
+    eu, us = resolve("composer-diloco/dc-eu.toml"), resolve("composer-diloco/dc-us.toml")
+    for dc in (eu, us):
+        assert dc.diloco.enabled and dc.trainer.num_ranks == 6 and dc.trainer.diloco == dc.diloco
+        assert len(dc.launch.gpus["trainer"]) == 6
+    assert eu.diloco.model_dump(exclude={"cluster_id", "peers"}) == us.diloco.model_dump(
+        exclude={"cluster_id", "peers"}
+    )
+    assert eu.diloco.cluster_ids == us.diloco.cluster_ids == ["dc-eu", "dc-us"]
+    assert eu.orchestrator.seed != us.orchestrator.seed and eu.trainer.seed == us.trainer.seed
