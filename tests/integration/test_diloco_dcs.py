@@ -25,7 +25,7 @@ def run_dcs(
     tmp_path: Path,
     num_dcs: int,
     steps: int,
-    timeout_s: float = 120.0,
+    timeout_s: float = 300.0,  # start-up included: 3 torch processes take minutes on a loaded machine
     configs: list[DilocoConfig] | None = None,
     ranks: int = 1,
     **fields: object,

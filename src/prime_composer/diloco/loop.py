@@ -220,7 +220,13 @@ class ShardcastOuterLoop:
         action = "none"
         if self.leader:
             assert self._future is not None
-            result = self._future.result()
+            try:
+                result = self._future.result()
+            except Exception as e:  # the followers must not wait for a broadcast that never comes
+                if not self.sharded:
+                    raise
+                self._bcast(("error", {}))
+                raise RuntimeError(f"diloco: the exchange of round {self._pending[0]} failed: {e}") from e
             self._future = None
             self.last_result = result
             self.last_metrics = dict(result.metrics) | {"diloco/round": float(result.round)}
@@ -241,6 +247,8 @@ class ShardcastOuterLoop:
                 )
         self._pending = None
         action, self.last_metrics = self._bcast((action, self.last_metrics))
+        if action == "error":
+            raise RuntimeError("diloco: the exchange failed on rank 0 (see its log)")
         if action == "catch_up":
             self.catch_up(force=True)
             return True
