@@ -63,12 +63,26 @@ def write_manifest(directory: Path, exclude: Iterable[str] = ()) -> Path:
     the relative paths in ``exclude``; returns its path. Call it after the last file is written and
     before the completeness marker."""
     directory = Path(directory)
-    files = {
-        p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, ALGORITHM: file_digest(p)}
-        for p in _listed_files(directory, exclude)
-    }
-    path = directory / MANIFEST_NAME
-    atomic_write_text(path, json.dumps({"algorithm": ALGORITHM, "files": files}, indent=1) + "\n")
+    files = {p.relative_to(directory).as_posix(): file_entry(p) for p in _listed_files(directory, exclude)}
+    return write_manifest_entries(directory, files)
+
+
+def file_entry(path: Path) -> dict[str, int | str]:
+    """The manifest entry of one file: its size and digest."""
+    return {"bytes": path.stat().st_size, ALGORITHM: file_digest(path)}
+
+
+def listed_files(directory: Path) -> list[str]:
+    """The relative paths ``write_manifest`` would list for ``directory``."""
+    return [p.relative_to(directory).as_posix() for p in _listed_files(Path(directory), ())]
+
+
+def write_manifest_entries(directory: Path, files: dict[str, dict[str, int | str]]) -> Path:
+    """Write ``<directory>/MANIFEST.json`` from entries already computed (``file_entry``, e.g. by
+    the processes that wrote the files); returns its path."""
+    path = Path(directory) / MANIFEST_NAME
+    table = dict(sorted(files.items()))
+    atomic_write_text(path, json.dumps({"algorithm": ALGORITHM, "files": table}, indent=1) + "\n")
     return path
 
 

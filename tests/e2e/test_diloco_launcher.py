@@ -75,3 +75,19 @@ def test_two_dcs_end_with_the_same_global_weights(tmp_path: Path) -> None:
     }
     shared = [k for k in states["a"] if k.startswith(("theta.", "momentum."))]
     assert shared and all(torch.equal(states["a"][k], states["b"][k]) for k in shared)
+    # final/ is the global model with the round still in flight at the last step applied: the same
+    # bits in both DCs, although each DC's local model trained on its own data since its last sync.
+    finals = {
+        name: {
+            k: v
+            for f in sorted(glob.glob(str(tmp_path / name / "final" / "*.safetensors")))
+            for k, v in load_file(f).items()
+        }
+        for name in "ab"
+    }
+    assert finals["a"] and finals["a"].keys() == finals["b"].keys()
+    assert all(torch.equal(finals["a"][k], finals["b"][k]) for k in finals["a"])
+    meta = json.loads(
+        (tmp_path / "a" / "checkpoints" / f"step_{NUM_STEPS}" / "diloco" / "meta.json").read_text()
+    )
+    assert meta["pending_round"] == 2  # started at step 6 (H/P = 2), due at 7: applied by the end

@@ -7,6 +7,7 @@ logs the SHA-256 of the new global fragment. Every DC must log the same digest f
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from prime_composer.config.diloco import DilocoConfig, TorchftConfig
-from prime_composer.diloco.toy import free_port, loopback_configs, read_log, spawn
+from prime_composer.diloco.fragments import split_fragments
+from prime_composer.diloco.toy import free_port, loopback_configs, make_model, read_log, spawn
 
 SECRET_ENV = "DILOCO_TEST_SECRET"
 
@@ -23,18 +25,20 @@ def run_dcs(
     tmp_path: Path,
     num_dcs: int,
     steps: int,
-    timeout_s: float = 120.0,
+    timeout_s: float = 300.0,  # start-up included: 3 torch processes take minutes on a loaded machine
     configs: list[DilocoConfig] | None = None,
+    ranks: int = 1,
     **fields: object,
 ) -> dict[str, list]:
-    """Run toy DCs (loopback shardcast configs unless ``configs``) to ``steps``; their logs."""
+    """Run toy DCs (loopback shardcast configs unless ``configs``; ``ranks`` FSDP ranks each) to
+    ``steps``; their logs."""
     if configs is None:
         configs = loopback_configs(num_dcs, SECRET_ENV, round_deadline_s=10.0, poll_interval_s=0.05, **fields)
     env = {SECRET_ENV: "test-secret", "PYTHONHASHSEED": "0"}
     # Training starts once every DC is up (START), so a slow start-up never leaves one out.
     start = ["--start-file", str(tmp_path / "START")]
     procs = [
-        spawn(c, tmp_path, "--steps", str(steps), "--seed", str(i + 1), *start, env=env)
+        spawn(c, tmp_path, "--steps", str(steps), "--seed", str(i + 1), *start, env=env, ranks=ranks)
         for i, c in enumerate(configs)
     ]
     try:
@@ -57,6 +61,8 @@ def run_dcs(
             try:
                 p.wait(timeout=10)
             except Exception:
+                if ranks > 1:  # torchrun and its ranks share a process group of their own
+                    os.killpg(p.pid, signal.SIGKILL)
                 p.kill()
     raise AssertionError("unreachable")
 
@@ -86,6 +92,36 @@ def test_every_dc_ends_every_round_with_identical_global_weights(
     finals = {log[-1]["global_digest"] for log in logs.values()}
     assert len(finals) == 1
     assert all(log[-1]["rejected"] == {} for log in logs.values())
+
+
+@pytest.mark.slow
+def test_sharded_dcs_agree_and_match_dcs_of_one_rank(tmp_path: Path) -> None:
+    """2 DCs x 2 FSDP ranks (gloo): every round's global fragment is the same bits in both DCs,
+    and the run ends where the same run with 1 rank per DC ends, to float tolerance (the ranks
+    average half-batch gradients; one rank takes the full batch's)."""
+    fields = {"quantization": "none", "num_fragments": 2, "sync_every": 4, "fragment_sync_delay": 1}
+    sharded = run_dcs(tmp_path / "two-ranks", 2, steps=9, timeout_s=300, ranks=2, **fields)
+    per_dc = [rounds(log) for log in sharded.values()]
+    assert sorted(per_dc[0]) == sorted(per_dc[1]) == [0, 1, 2, 3]
+    for r, record in per_dc[0].items():
+        assert record["members"] == ["dc-0", "dc-1"], f"round {r}: both DCs should contribute"
+        assert per_dc[1][r]["digest"] == record["digest"], f"round {r} digests differ"
+    assert len({log[-1]["global_digest"] for log in sharded.values()}) == 1
+
+    run_dcs(tmp_path / "one-rank", 2, steps=9, timeout_s=300, **fields)
+    for dc in ("dc-0", "dc-1"):
+        for name in ("theta.pt", "local.pt"):
+            got = torch.load(tmp_path / "two-ranks" / dc / name)
+            want = torch.load(tmp_path / "one-rank" / dc / name)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"{dc} {name}")
+    # Round 3 (fragment 1) was applied at the last step with alpha 0: the gathered local fragment
+    # is the global one, bit for bit, so the scatter wrote each rank's shard where it belongs.
+    theta = torch.load(tmp_path / "two-ranks" / "dc-0" / "theta.pt")
+    local = torch.load(tmp_path / "two-ranks" / "dc-0" / "local.pt")
+    assert not torch.equal(theta, local)  # fragment 0 trained on after its round 2
+    split = theta.numel() - split_fragments(make_model(16, 2), 2)[-1].numel  # the toy's default MLP
+    assert torch.equal(theta[split:], local[split:])
 
 
 def test_origin_requires_the_secret_except_on_health(tmp_path: Path) -> None:

@@ -4,7 +4,10 @@ settings every DC must share identical and the per-DC ones different."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
+
+import pytest
 
 from prime_composer.config.resolve import resolve_rl_config
 
@@ -34,3 +37,43 @@ def test_the_two_quickstart_dcs_point_at_each_other() -> None:
 def test_the_two_real_dc_example_needs_its_secret() -> None:
     eu = resolve("diloco-two-dc.toml")
     assert eu.diloco.host == "0.0.0.0" and eu.diloco.secret_env is not None
+
+
+def test_each_dc_draws_its_own_data_seed_unless_one_is_set() -> None:
+    a, b = resolve("diloco-dc-a.toml"), resolve("diloco-dc-b.toml")
+    # The documented rule, computed here: seed + the first 8 bytes of SHA-256(cluster_id), mod 2**63.
+    for dc, cid in ((a, "dc-a"), (b, "dc-b")):
+        offset = int(hashlib.sha256(cid.encode()).hexdigest()[:16], 16)
+        assert dc.orchestrator.seed == (dc.seed + offset) % 2**63
+        assert dc.trainer.seed == dc.seed  # the same initialisation in every DC
+    assert a.orchestrator.seed != b.orchestrator.seed
+    chosen = resolve_rl_config(["@", str(CONFIGS / "diloco-dc-b.toml"), "--diloco.data-seed", "7"])[0]
+    assert chosen.orchestrator.seed == 7
+    assert resolve("quickstart.toml").orchestrator.seed == resolve("quickstart.toml").seed
+
+
+def test_a_dc_without_its_secret_fails_the_preflight(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prime_composer.config.errors import ConfigError
+    from prime_composer.launch.preflight import preflight
+
+    config = resolve("diloco-two-dc.toml")
+    monkeypatch.delenv("DILOCO_SECRET", raising=False)
+    with pytest.raises(ConfigError, match=r"diloco\.secret_env = 'DILOCO_SECRET'.*not set"):
+        preflight(config)
+    monkeypatch.setenv("DILOCO_SECRET", "s")
+    try:
+        preflight(config)
+    except ConfigError as e:  # other checks of this machine may fail; the secret's must not
+        assert "diloco" not in str(e), e
+
+
+def test_the_recipe_as_two_dcs_shards_each_trainer_and_shares_the_outer_loop() -> None:
+    eu, us = resolve("composer-diloco/dc-eu.toml"), resolve("composer-diloco/dc-us.toml")
+    for dc in (eu, us):
+        assert dc.diloco.enabled and dc.trainer.num_ranks == 6 and dc.trainer.diloco == dc.diloco
+        assert len(dc.launch.gpus["trainer"]) == 6
+    assert eu.diloco.model_dump(exclude={"cluster_id", "peers"}) == us.diloco.model_dump(
+        exclude={"cluster_id", "peers"}
+    )
+    assert eu.diloco.cluster_ids == us.diloco.cluster_ids == ["dc-eu", "dc-us"]
+    assert eu.orchestrator.seed != us.orchestrator.seed and eu.trainer.seed == us.trainer.seed

@@ -16,6 +16,7 @@ No torch import (config rule).
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 from typing import Literal, Self
@@ -161,6 +162,21 @@ class DilocoConfig(BaseConfig):
 
     torchft: TorchftConfig = TorchftConfig()
     """Settings of the ``torchft`` backend."""
+
+    # --- Each DC's own data ------------------------------------------------------------------
+    data_seed: int | None = Field(default=None, ge=0, lt=2**63)
+    """Seed of this DC's data (the orchestrator's task draws and sampling; ``rl`` sets
+    ``orchestrator.seed`` to it). None derives it from the run's ``seed`` and ``cluster_id``
+    (``data_seed_for``), so the DCs of a run draw different data with nothing set per DC; set it
+    to choose this DC's seed yourself. Model initialisation keeps the run's ``seed`` in every DC."""
+
+    def data_seed_for(self, seed: int) -> int:
+        """This DC's data seed: ``data_seed`` if set, else ``seed`` plus the first 8 bytes of
+        SHA-256(``cluster_id``) as an unsigned integer, modulo 2**63."""
+        if self.data_seed is not None:
+            return self.data_seed
+        offset = int.from_bytes(hashlib.sha256(self.cluster_id.encode()).digest()[:8], "big")
+        return (seed + offset) % 2**63
 
     @property
     def steps_per_fragment(self) -> int:

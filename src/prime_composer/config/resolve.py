@@ -122,8 +122,7 @@ def set_shared(config: RLConfig, dotted: str, value: object) -> None:
 
 def _copy_diloco(config: RLConfig, origins: dict[str, str]) -> None:
     """``[diloco]`` runs in the trainer: set at the top level (each data center's file swaps it) or
-    in the trainer's section (``--trainer @ t.toml``), and then it must be the same in both. The
-    shardcast backend needs one trainer rank per data center for now."""
+    in the trainer's section (``--trainer @ t.toml``), and then it must be the same in both."""
     top_set = any(key == "diloco" or key.startswith("diloco.") for key in origins)
     section_keys = [key for key in origins if key == "trainer.diloco" or key.startswith("trainer.diloco.")]
     if section_keys and top_set and config.trainer.diloco != config.diloco:
@@ -134,11 +133,8 @@ def _copy_diloco(config: RLConfig, origins: dict[str, str]) -> None:
     if section_keys and not top_set:
         config.diloco = config.trainer.diloco
     config.trainer.diloco = config.diloco
-    if config.diloco.enabled and config.diloco.backend == "shardcast" and config.trainer.num_ranks > 1:
-        raise ConfigError(
-            f'{origin_of("diloco.enabled", origins)}: diloco with backend = "shardcast" needs trainer.num_ranks = 1 '
-            f'per data center for now (it is {config.trainer.num_ranks}); or use backend = "torchft"'
-        )
+    if config.diloco.enabled:  # each DC draws its own data (diloco.data_seed)
+        config.orchestrator.seed = config.diloco.data_seed_for(config.seed)
 
 
 def _check_channels(config: RLConfig, origins: dict[str, str]) -> None:

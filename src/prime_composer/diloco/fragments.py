@@ -5,6 +5,14 @@ decoder layers in depth order, then the head) of about ``total / P`` elements, s
 about the same number of bytes and, as in Streaming DiLoCo, a fragment is a block of layers.
 The outer state of a fragment (its global weights and outer momentum) is one flat float32 CPU
 vector each, laid out in that parameter order.
+
+Under FSDP2 a parameter is a ``DTensor`` whose shards live on the DC's ranks. The names and
+shapes are then the full (global) ones, so a DC of any number of ranks splits the model into the
+same fragments. ``gather`` and ``scatter``/``merge`` are collectives there: ``gather`` all-gathers
+one parameter at a time (``full_tensor``) and keeps the flat fragment on rank 0 only, and
+``scatter`` sends rank 0's flat vector out parameter by parameter (``distribute_tensor`` from rank
+0), each rank keeping its own shard. So the transient cost per rank is one full parameter, and
+rank 0 holds the fragment as one float32 vector (4 bytes a parameter), the same as a DC of one rank.
 """
 
 from __future__ import annotations
@@ -35,8 +43,63 @@ class Fragment:
         return hashlib.sha256(json.dumps(layout).encode()).hexdigest()
 
     def read(self) -> torch.Tensor:
-        """The fragment's current local weights as one flat float32 CPU vector (a copy)."""
+        """The fragment's current local weights as one flat float32 CPU vector (a copy); whole
+        tensors only (``gather`` for a sharded model)."""
+        assert not self.sharded, "a sharded fragment is read with gather()"
         return torch.cat([_local(p).detach().reshape(-1).to("cpu", torch.float32) for p in self.params])
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the parameters are FSDP2 shards (``DTensor``s): then the methods below are
+        collectives every rank of the DC calls together."""
+        return any(_is_dtensor(p) for p in self.params)
+
+    @torch.no_grad()
+    def gather(self, leader: bool) -> torch.Tensor | None:
+        """The full fragment as one flat float32 CPU vector on the ``leader`` rank, None on the
+        others (collective for sharded parameters: one all-gather per parameter)."""
+        if not self.sharded:
+            return self.read() if leader else None
+        parts: list[torch.Tensor] = []
+        for p in self.params:
+            full = p.detach().full_tensor() if _is_dtensor(p) else p.detach()  # type: ignore[attr-defined]
+            if leader:
+                parts.append(full.reshape(-1).to("cpu", torch.float32))
+            del full
+        return torch.cat(parts) if leader else None
+
+    @torch.no_grad()
+    def scatter(self, flat: torch.Tensor | None, alpha: float = 0.0) -> None:
+        """Set the fragment from the leader's flat vector (``flat``; None on the other ranks):
+        ``local = alpha * local + (1 - alpha) * flat`` on every rank's shard (collective for
+        sharded parameters: one scatter from rank 0 per parameter)."""
+        if not self.sharded:
+            assert flat is not None
+            self.merge(flat, alpha)
+            return
+        from torch.distributed.tensor import distribute_tensor
+
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            if flat is not None:
+                full = flat[offset : offset + n].view(p.shape)
+            else:  # the values of the non-source ranks are not read
+                full = torch.empty(p.shape, dtype=torch.float32)
+            offset += n
+            if _is_dtensor(p):
+                mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+                full = full.to(mesh.device_type)
+                target = distribute_tensor(full, mesh, placements, src_data_rank=0).to_local()
+            else:  # a whole tensor beside the shards: every rank takes rank 0's
+                torch.distributed.broadcast(full, src=0)
+                target = full
+            local = _local(p)
+            target = target.to(local.device, local.dtype)
+            if alpha == 0.0:
+                local.copy_(target)
+            else:
+                local.lerp_(target, 1.0 - alpha)
 
     @torch.no_grad()
     def write(self, flat: torch.Tensor) -> None:
@@ -89,6 +152,10 @@ def split_fragments(model: nn.Module, num_fragments: int) -> list[Fragment]:
         seen += param.numel()
     assert len(groups) == num_fragments and all(groups)
     return [Fragment(i, tuple(n for n, _ in g), tuple(p for _, p in g)) for i, g in enumerate(groups)]
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    return callable(getattr(p, "full_tensor", None))
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,11 @@ saves the global weights as ``<work-dir>/theta.pt``, and keeps its origin up unt
 
     python -m prime_composer.diloco.toy --config dc-a.json --steps 40 --out dc-a.jsonl
 
+Under ``torchrun --nproc-per-node N`` (``spawn(..., ranks=N)``) the DC is N ranks (gloo): the MLP
+is sharded with FSDP2 (each ``Linear``, then the root), every rank draws the same batch and
+trains on its ``1/N`` of the rows (so the averaged gradient is the full batch's, as with one
+rank), and rank 0 writes the log. ``<work-dir>/local.pt`` is the DC's model at the end (gathered).
+
 ``--die-at-round R`` kills the process (SIGKILL) right after it published round R's payload
 (mid-round: before any commit); ``--die-at-step N`` after inner step N (any backend);
 ``--step-sleep-s`` stands in for a slower trainer (not counted as compute); ``--compute-s`` pads
@@ -82,17 +87,23 @@ def spawn(
     *args: str,
     env: dict[str, str] | None = None,
     prefix: list[str] | None = None,
+    ranks: int = 1,
 ) -> subprocess.Popen[bytes]:
     """Start a toy DC for ``cfg`` under ``root/<cluster_id>/`` (its log is ``<cluster_id>.jsonl``).
 
-    ``prefix`` runs it under another command (``ip netns exec ns``)."""
+    ``prefix`` runs it under another command (``ip netns exec ns``); ``ranks`` > 1 under
+    ``torchrun`` (a sharded DC, in its own process group: kill it with ``os.killpg``)."""
     work = root / cfg.cluster_id
     work.mkdir(parents=True, exist_ok=True)
     config = work / "config.json"
     config.write_text(cfg.model_dump_json())
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
+    )
     command = [
         *(prefix or []),
         sys.executable,
+        *launcher,
         "-m",
         "prime_composer.diloco.toy",
         "--config",
@@ -106,7 +117,8 @@ def spawn(
         *args,
     ]
     stderr = open(work / "stderr.log", "ab")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(command, env={**os.environ, **(env or {})}, stdout=stderr, stderr=stderr)
+    env = {**os.environ, **(env or {})} | ({"OMP_NUM_THREADS": "1"} if ranks > 1 else {})
+    return subprocess.Popen(command, env=env, stdout=stderr, stderr=stderr, start_new_session=ranks > 1)
 
 
 def read_log(path: Path) -> list[dict[str, Any]]:
@@ -151,6 +163,20 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     cfg = DilocoConfig.model_validate_json(args.config.read_text())
     model = make_model(args.width, args.depth)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = 0
+    if world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        torch.distributed.init_process_group("gloo")
+        rank = torch.distributed.get_rank()
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in model.modules():
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    leader = rank == 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(args.seed)
     target = torch.Generator().manual_seed(1234)
@@ -164,7 +190,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.die_at_round is not None and shardcast is not None and shardcast.store is not None:
         _die_after_publishing(shardcast.store, args.die_at_round)
     compute_s = 0.0
-    with open(args.out, "a") as log:
+
+    def should_stop() -> bool:  # the leader's view, so every rank stops at the same step
+        stop = args.stop_file is not None and args.stop_file.exists()
+        if world_size == 1:
+            return stop
+        box = [stop]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return bool(box[0])
+
+    with open(args.out if leader else os.devnull, "a") as log:
         start = step = shardcast.num_updates if shardcast is not None else 0
         log.write(json.dumps({"start": True, "num_updates": start, "pid": os.getpid()}) + "\n")
         log.flush()
@@ -179,9 +214,9 @@ def main(argv: list[str] | None = None) -> None:
             assert shardcast is not None
             return shardcast.num_updates
 
-        while num_updates() < args.steps and not (args.stop_file is not None and args.stop_file.exists()):
+        while num_updates() < args.steps and not should_stop():
             t0 = time.monotonic()
-            x = torch.randn(args.batch, args.width, generator=generator)
+            x = torch.randn(args.batch, args.width, generator=generator).chunk(world_size)[rank]
             loss = (model(x) - torch.tanh(x @ w_true)).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
@@ -231,7 +266,11 @@ def main(argv: list[str] | None = None) -> None:
             "rejected": dict(shardcast.exchange.rejected) if shardcast is not None else {},
         }
         theta = shardcast.theta if shardcast is not None else torchft.theta if torchft is not None else []
-        torch.save(torch.cat(theta), args.work_dir / "theta.pt")
+        local = [f.gather(leader) for f in shardcast.fragments] if shardcast is not None else []
+        if leader:
+            torch.save(torch.cat(theta), args.work_dir / "theta.pt")
+            if shardcast is not None:
+                torch.save(torch.cat([t for t in local if t is not None]), args.work_dir / "local.pt")
         log.write(json.dumps(done) + "\n")
         log.flush()
     while args.stop_file is not None and not args.stop_file.exists():

@@ -56,6 +56,8 @@ def _secret_problems(config: RLConfig) -> list[str]:
         if "llm" in config.orchestrator.sdpo.sources and config.orchestrator.sdpo.enabled
         else None,
     }
+    if config.diloco.enabled:  # the DCs' shared secret: checked before the SFT warm-up starts
+        named["diloco.secret_env"] = config.diloco.secret_env
     if config.teacher is not None:
         named["teacher.secret_env"] = config.teacher.secret_env
         for i, endpoint in enumerate(config.teacher.pool):

@@ -199,6 +199,10 @@ def warmup_specs(config: RLConfig, config_paths: dict[str, Path]) -> tuple[list[
                     str(data),
                     "--num-examples",
                     str(warmup.num_examples),
+                    # The run's seed, not the orchestrator's (a DiLoCo DC's own data seed): every
+                    # DC warms up on the same data, so the DCs start from the same weights.
+                    "--seed",
+                    str(config.seed),
                 ],
                 kind="job",
             )

@@ -48,9 +48,14 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, required=True, help="JSONL file to write")
     parser.add_argument("--num-examples", type=int, default=1000)
+    parser.add_argument(
+        "--seed", type=int, default=None, help="draw with this seed (default: the config's seed)"
+    )
     args = parser.parse_args()
     logger = setup_logging("sft-data")
     config = OrchestratorConfig.model_validate(load_file(args.config, origin="--config").values)
+    if args.seed is not None:
+        config = config.model_copy(update={"seed": args.seed})
     num_tasks = export_sft_data(config, args.out, args.num_examples)
     logger.info("wrote %d conversations from %d tasks to %s", args.num_examples, num_tasks, args.out)
 

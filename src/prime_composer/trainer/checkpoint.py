@@ -17,12 +17,14 @@ Parts are published, committed and pruned through one manager, ``checkpoint_layo
 part of the run is written and verifies, and steps are deleted as units, so a full disk that stops
 one part never leaves a step that holds the other parts only.
 
-Atomicity: every rank writes into ``<root>/step_<N>/.trainer.tmp/``; after a barrier rank 0
-writes ``MANIFEST.json`` (size and SHA-256 of every file: ``prime_composer.integrity``), renames
+Atomicity: every rank writes into ``<root>/step_<N>/.trainer.tmp/``; after a barrier each rank
+hashes the files it wrote (its DCP shards and RNG state; rank 0 the shared files too:
+``file_owner``) and rank 0 writes ``MANIFEST.json`` from their digests (size and SHA-256 of every
+file: ``prime_composer.integrity``), so hashing takes one rank's share of the time; it renames
 the directory to ``trainer/``, writes ``trainer.STABLE`` and commits the step if the other parts
 are there. A crash at any point leaves either no marker (never loaded) or a complete part.
-Loading verifies the manifest first, so a truncated, zeroed or missing file is an error naming
-it, never different weights. A save that fails (a full disk) removes its partial files and says
+Loading verifies the manifest first, each rank the files it owns (every rank raises if one is
+bad), so a truncated, zeroed or missing file is an error naming it, never different weights. A save that fails (a full disk) removes its partial files and says
 which checkpoint is still intact.
 
 Why DCP for model and optimizer: each rank writes only its own FSDP2 shards, in parallel, with no
@@ -66,7 +68,14 @@ from prime_composer.checkpoint_layout import (
     marker_path,
     step_dir,
 )
-from prime_composer.integrity import verify_manifest, write_manifest
+from prime_composer.integrity import (
+    IntegrityError,
+    file_entry,
+    listed_files,
+    read_manifest,
+    verify_manifest,
+    write_manifest_entries,
+)
 from prime_composer.io import atomic_write_text
 from prime_composer.trainer.model import World
 
@@ -204,9 +213,9 @@ class CheckpointManager:
             }
             atomic_write_text(tmp / META_FILE, json.dumps(meta, indent=2) + "\n")
         self.world.barrier()  # every rank's files are written (DCP fsyncs its own)
+        started = time.perf_counter()
+        write_sharded_manifest(tmp, self.world)
         if self.world.is_main:
-            started = time.perf_counter()
-            write_manifest(tmp)
             logger.info("checkpoint digests of step %d: %.2f s", step, time.perf_counter() - started)
 
     def commit(self, step: int) -> bool:
@@ -273,7 +282,7 @@ class CheckpointManager:
 
         step = self.resolve_step(step)
         directory = step_dir(self.root, step) / self.part
-        verify_manifest(directory)  # IntegrityError naming the damaged file, before anything is read
+        verify_sharded_manifest(directory, self.world)  # IntegrityError naming the damaged file, first
         meta = json.loads((directory / META_FILE).read_text())
         states = _check_states(states)
         missing = sorted(set(states) - set(meta.get("states", [])))
@@ -306,6 +315,59 @@ class CheckpointManager:
             )
         logger.info("loaded %s checkpoint of step %d from %s", self.part, step, directory)
         return meta["extra"]
+
+
+_RANK_FILE = re.compile(r"(?:^|/)(?:__(\d+)_\d+\.distcp|rank_(\d+)\.pt)$")
+"""The files one rank writes: its DCP shards (``__<rank>_<i>.distcp``) and its RNG state."""
+
+
+def file_owner(name: str, world_size: int) -> int:
+    """The rank that hashes (on save) and verifies (on load) the part's file ``name``: the rank
+    that wrote it (a checkpoint of more ranks spreads the extra ones round robin), rank 0 for the
+    shared files (DCP's ``.metadata``, the scheduler, ``meta.json``)."""
+    m = _RANK_FILE.search(name)
+    return int(m.group(1) or m.group(2)) % world_size if m else 0
+
+
+def write_sharded_manifest(directory: Path, world: World) -> None:
+    """``MANIFEST.json`` of ``directory`` with each rank hashing the files it owns (``file_owner``),
+    in parallel; rank 0 gathers the digests and writes it. Collective; call it after a barrier
+    that follows the last write."""
+    names = listed_files(directory)
+    own = {n: file_entry(directory / n) for n in names if file_owner(n, world.world_size) == world.rank}
+    gathered = _gather_to_main(own, world)
+    if world.is_main:
+        files = {k: v for part in gathered for k, v in part.items()}
+        missing = sorted(set(names) - set(files))
+        assert not missing, f"no rank hashed {missing}"
+        write_manifest_entries(directory, files)
+
+
+def verify_sharded_manifest(directory: Path, world: World) -> None:
+    """``verify_manifest`` with each rank checking the files it owns (``file_owner``); every rank
+    raises the same ``IntegrityError`` (the first bad file's) if any is damaged. Collective."""
+    problem = ""
+    try:
+        own = [n for n in sorted(read_manifest(directory)) if file_owner(n, world.world_size) == world.rank]
+        verify_manifest(directory, only=own)
+    except IntegrityError as e:
+        problem = str(e)
+    problems = [problem]
+    if world.is_distributed and torch.distributed.is_initialized():
+        problems = [""] * world.world_size
+        torch.distributed.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first is not None:
+        raise IntegrityError(first)
+
+
+def _gather_to_main(obj: Any, world: World) -> list[Any]:
+    """``obj`` of every rank, on rank 0 (others get an empty list)."""
+    if not (world.is_distributed and torch.distributed.is_initialized()):
+        return [obj]
+    out: list[Any] | None = [None] * world.world_size if world.is_main else None
+    torch.distributed.gather_object(obj, out, dst=0)
+    return out or []
 
 
 def check_architecture(part: Path, model: nn.Module, model_name: str | None = None) -> None:

@@ -15,7 +15,8 @@ For step ``s`` (model = policy after ``s`` optimizer steps):
 6. log ``metrics/trainer.jsonl``.
 
 After the last step: a checkpoint (``ckpt.at_end``) and ``<output_dir>/final/``, the model as a
-Hugging Face directory with a model card (``export_final``, ``export.py``).
+Hugging Face directory with a model card (``export_final``, ``export.py``); with DiLoCo the global
+model (``diloco/loop.py``: ``finish``).
 
 Run it through ``rl`` or alone: ``uv run trainer @ <output_dir>/configs/trainer.json`` (under
 ``torchrun`` for several ranks).
@@ -207,6 +208,12 @@ class Trainer:
                 )
             if config.ckpt.at_end and self.start_step < config.max_steps:
                 self.save_checkpoint(config.max_steps)
+            # After the last checkpoint (which keeps the local model and the round in flight): the
+            # shardcast loop applies that round and gives the model the global weights, so final/
+            # is the model every DC agrees on. A backend without ``finish`` exports its local model.
+            finish = getattr(self.outer, "finish", None)
+            if finish is not None:
+                finish()
             if config.export_final:
                 lora_export = self.lora.export if self.lora is not None else None
                 export_final(self.model, self.tokenizer, config.output_dir, self.world, lora=lora_export)
