@@ -25,7 +25,7 @@ from prime_composer.orchestrator.record import EpisodeRecord
 from prime_composer.orchestrator.replay.packing import DPOPacker
 from prime_composer.orchestrator.replay.source import PairSource
 from prime_composer.orchestrator.sample import Sample
-from prime_composer.orchestrator.trace_export import sample_to_trace
+from prime_composer.orchestrator.trace_export import episode_trace
 from prime_composer.teacher.pairs import Pair
 from prime_composer.teacher.traces import parse_trace
 from prime_composer.trainer.losses.base import TermContext, build_terms
@@ -214,7 +214,7 @@ def test_rollouts_become_valid_traces() -> None:
         episode=EpisodeRecord(messages=[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
               trace_id="abc", task={"answer": "4"}),
     )  # fmt: skip
-    trace = sample_to_trace(s)
+    trace = episode_trace([s])
     assert trace is not None
     parsed = parse_trace(trace, "rollout", TraceSourceConfig())
     last = parsed.turns[-1]
@@ -224,7 +224,7 @@ def test_rollouts_become_valid_traces() -> None:
         and math.isclose(parsed.record.reward or 0, 1.0)
         and parsed.trace_id == "abc"
     )
-    assert sample_to_trace(Sample([1], [], [], [], 0.0, 0, 0, 0, error="boom")) is None
+    assert episode_trace([Sample([1], [], [], [], 0.0, 0, 0, 0, error="boom")]) is None
 
 
 def test_both_halves_of_the_channel_must_be_on() -> None:

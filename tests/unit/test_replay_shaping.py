@@ -15,7 +15,7 @@ from prime_composer.orchestrator.advantages import compute_advantages, filter_ze
 from prime_composer.orchestrator.record import EpisodeRecord
 from prime_composer.orchestrator.replay.shaping import ProcessRewards
 from prime_composer.orchestrator.sample import Sample
-from prime_composer.orchestrator.trace_export import sample_to_trace
+from prime_composer.orchestrator.trace_export import episode_trace
 from prime_composer.teacher.actions import Action
 from prime_composer.teacher.service import _summary
 from prime_composer.teacher.store import PlannedStep, TeacherStore
@@ -93,7 +93,7 @@ def test_process_reward_of_any_action_matches_the_step_labels() -> None:
 
 def label(store: TeacherStore, question: str, trace_answer: str, votes: list[str | None]) -> None:
     """Store a labeled step at the state of ``question`` with these teacher answers."""
-    record = sample_to_trace(rollout(question, trace_answer, 0.0))
+    record = episode_trace([rollout(question, trace_answer, 0.0)])
     trace = parse_trace(record, "test", TraceSourceConfig())
     store.add_trace(trace)
     store.save_plan(trace.trace_id, [PlannedStep(1, trace.state_hash(1), {}, 1.0, 0.0, True)])

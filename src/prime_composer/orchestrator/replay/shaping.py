@@ -22,7 +22,7 @@ from pathlib import Path
 
 from prime_composer.config.teacher import TraceSourceConfig
 from prime_composer.orchestrator.sample import Sample
-from prime_composer.orchestrator.trace_export import episode_key, episode_trace, sample_to_trace
+from prime_composer.orchestrator.trace_export import episode_trace, episodes
 from prime_composer.teacher.actions import turn_action
 from prime_composer.teacher.pairs import PairStore
 from prime_composer.teacher.traces import TraceError, parse_trace
@@ -49,18 +49,12 @@ class ProcessRewards:
         """Per sample (same order): the mean process reward of its labeled steps, or None. The
         Samples of one episode (same ``episode.trace_id`` with per-turn records) get the
         episode's value."""
-        episodes: dict[str, list[Sample]] = {}
-        for sample in samples:
-            if (key := episode_key(sample)) is not None:
-                episodes.setdefault(key, []).append(sample)
-        by_episode = {key: self._reward(episode_trace(group)) for key, group in episodes.items()}
-        out: list[float | None] = []
-        for sample in samples:
-            if (key := episode_key(sample)) is not None:
-                out.append(by_episode[key])
-            else:
-                record = sample_to_trace(sample)
-                out.append(self._reward(record) if record is not None else None)
+        reward: dict[int, float | None] = {}
+        for group in episodes(samples):
+            record = episode_trace(group)
+            value = self._reward(record) if record is not None else None
+            reward.update((id(sample), value) for sample in group)
+        out = [reward[id(sample)] for sample in samples]
         self.num_looked_up += len(samples)
         self.num_shaped += sum(r is not None for r in out)
         return out
