@@ -5,7 +5,7 @@ service's store, read through ``pairs.PairStore`` (whose queries are built from 
 ``orchestrator.replay`` / ``trainer.loss.replay``, batch group, metrics ``replay/...``).
 
     client = TeacherClient(store_path)
-    client.connect(url, api_key)               # only to send traces
+    client.connect(url, api_key, retry)        # only to send traces
     client.send(traces)                        # in the background; failures are counted
     pairs = client.take_pairs(16, after_cursor=cursor)
     reward = client.process_reward(trace)      # mean over the trace's labeled steps, or None
@@ -49,11 +49,9 @@ class TeacherClient:
 
     # ------------------------------------------------------------------------------ traces in
 
-    def connect(self, teacher_url: str, api_key: str | None, retry: RetryConfig | None = None) -> None:
-        """Send traces to the service at ``teacher_url`` from now on."""
-        self.http = EndpointClient(
-            teacher_url, retry=retry or RetryConfig(timeout_s=30.0, max_retries=2), api_key=api_key
-        )
+    def connect(self, teacher_url: str, api_key: str | None, retry: RetryConfig) -> None:
+        """Send traces to the service at ``teacher_url`` from now on (``orchestrator.replay.retry``)."""
+        self.http = EndpointClient(teacher_url, retry=retry, api_key=api_key)
 
     @property
     def connected(self) -> bool:

@@ -48,6 +48,7 @@ class ReplayChannel(OrchestratorChannel):
             self.teacher.connect(
                 replay.teacher_url,
                 read_api_key(replay.teacher_secret_env, "orchestrator.replay.teacher_secret_env"),
+                replay.retry,
             )
         if self.config.advantage.process_reward_weight > 0:
             self.shaping = ProcessRewards(self.teacher)
