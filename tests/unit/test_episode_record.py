@@ -57,16 +57,8 @@ def test_split_episode_plain_sample_and_error_sample() -> None:
     )
     assert [episode_key(s) for s in (first, second, plain, failed)] == ["t1", "t1", None, "x"]
 
-    traces = samples_to_traces([first, plain, second, failed])
+    traces = samples_to_traces([first, plain, second, failed])  # in order of first appearance
     assert traces == [
-        {
-            "turns": [
-                {"role": "user", "content": "fix it"},
-                {"role": "assistant", "content": "a", "prompt_token_ids": [1], "token_ids": [8], "logprobs": [-0.25]},
-            ],
-            "reward": 0.0,
-            "id": "p",
-        },
         {
             "id": "t1",
             "task": "fix it",
@@ -82,9 +74,44 @@ def test_split_episode_plain_sample_and_error_sample() -> None:
             "reward": 1.0,
             "info": {"env": "e", "task_id": None, "stop": "final_answer"},
         },
+        {
+            "id": "p",
+            "task": {},
+            "tools": [],
+            "turns": [
+                {"role": "user", "content": "fix it"},
+                {"role": "assistant", "content": "a", "tool_calls": [], "token_ids": [8],
+                 "prompt_token_ids": [1], "logprobs": [-0.25]},
+            ],
+            "reward": 0.0,
+            "info": {"env": "env", "task_id": None, "stop": None},
+        },
     ]  # fmt: skip
 
 
 def test_a_misspelled_field_is_an_error_not_a_silent_key() -> None:
     with pytest.raises(TypeError, match="trace_idd"):
         EpisodeRecord(trace_idd="t")  # type: ignore[call-arg]
+
+
+def test_a_sample_without_turn_records_goes_through_the_same_converter() -> None:
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+
+    def sample(mask: list[int], turns: list[TurnInfo] | None) -> Sample:
+        episode = EpisodeRecord(messages=messages, trace_id="q", turns=turns)
+        return Sample([1, 2], [7, 8, 9], [-0.1, -0.2, -0.3], mask, 1.0, 0, 0, 0, episode=episode)
+
+    by_hand = samples_to_traces([sample([0, 1, 1], None)])
+    recorded = samples_to_traces(
+        [sample([0, 1, 1], [TurnInfo(index=0, span=(1, 3), message_index=1, finish_reason=None)])]
+    )
+    assert by_hand == recorded
+    (turn,) = [t for t in by_hand[0]["turns"] if t["role"] == "assistant"]
+    assert (turn["prompt_token_ids"], turn["token_ids"], turn["logprobs"]) == (
+        [1, 2, 7],
+        [8, 9],
+        [-0.2, -0.3],
+    )
+    # Policy tokens in two runs can't be one action: the turn keeps its text, no tokens.
+    (split,) = samples_to_traces([sample([1, 0, 1], None)])
+    assert "token_ids" not in split["turns"][-1]

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from prime_composer.config.errors import ConfigError
-from prime_composer.config.migrate import migrate
-from prime_composer.config.prime_rl_rules import RULES, _shared_rules
 from prime_composer.config.resolve import resolve_rl_config
+from prime_composer.prime_rl.migrate import migrate
+from prime_composer.prime_rl.rules import RULES, _shared_rules
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "prime_rl"

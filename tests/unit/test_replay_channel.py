@@ -22,10 +22,10 @@ from prime_composer.config.teacher import TraceSourceConfig
 from prime_composer.model.resolve import resolve_model_name
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.record import EpisodeRecord
-from prime_composer.orchestrator.replay.packing import DPOPacker
+from prime_composer.orchestrator.replay.packing import ReplayPacker
 from prime_composer.orchestrator.replay.source import PairSource
 from prime_composer.orchestrator.sample import Sample
-from prime_composer.orchestrator.trace_export import sample_to_trace
+from prime_composer.orchestrator.trace_export import episode_trace
 from prime_composer.teacher.pairs import Pair
 from prime_composer.teacher.traces import parse_trace
 from prime_composer.trainer.losses.base import TermContext, build_terms
@@ -73,7 +73,7 @@ def pack(pairs: list[Pair], micro_batch_size: int = 8) -> list[MicroBatch]:
         micro_batch_size,
         1,
         0,
-        packers=[DPOPacker()],
+        packers=[ReplayPacker()],
         extras={"replay": pairs},
     )
     return mbs
@@ -113,7 +113,7 @@ def test_too_long_pairs_are_dropped_and_counted() -> None:
         4,
         1,
         0,
-        packers=[DPOPacker()],
+        packers=[ReplayPacker()],
         extras={"replay": [long, pair(rng, 2)]},
     )
     assert stats.metrics()["replay/pack_dropped"] == 1 and stats.metrics()["replay/packed_pairs"] == 1
@@ -196,13 +196,13 @@ class FakeStore:
 def test_the_source_takes_each_pair_once_and_resumes_from_its_cursor(tmp_path: Path) -> None:
     rng = random.Random(4)
     source = PairSource(ReplaySourceConfig(enabled=True, pairs_per_step=3), tmp_path)
-    source.store = FakeStore([pair(rng, c) for c in range(1, 9)])  # type: ignore[assignment]
+    source.teacher.store = FakeStore([pair(rng, c) for c in range(1, 9)])  # type: ignore[assignment]
     first = asyncio.run(source.take(0))
     assert [p.cursor for p in first] == [1, 2, 3]
     saved = source.state_dict()
     second = asyncio.run(source.take(1))
     resumed = PairSource(ReplaySourceConfig(enabled=True, pairs_per_step=3), tmp_path)
-    resumed.store = source.store
+    resumed.teacher.store = source.teacher.store
     resumed.load_state_dict(saved)
     assert [p.cursor for p in asyncio.run(resumed.take(1))] == [p.cursor for p in second] == [4, 5, 6]
     assert [p.cursor for p in asyncio.run(source.take(2))] == [7, 8] and asyncio.run(source.take(3)) == []
@@ -214,7 +214,7 @@ def test_rollouts_become_valid_traces() -> None:
         episode=EpisodeRecord(messages=[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
               trace_id="abc", task={"answer": "4"}),
     )  # fmt: skip
-    trace = sample_to_trace(s)
+    trace = episode_trace([s])
     assert trace is not None
     parsed = parse_trace(trace, "rollout", TraceSourceConfig())
     last = parsed.turns[-1]
@@ -224,7 +224,7 @@ def test_rollouts_become_valid_traces() -> None:
         and math.isclose(parsed.record.reward or 0, 1.0)
         and parsed.trace_id == "abc"
     )
-    assert sample_to_trace(Sample([1], [], [], [], 0.0, 0, 0, 0, error="boom")) is None
+    assert episode_trace([Sample([1], [], [], [], 0.0, 0, 0, 0, error="boom")]) is None
 
 
 def test_both_halves_of_the_channel_must_be_on() -> None:

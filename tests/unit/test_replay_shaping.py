@@ -15,8 +15,9 @@ from prime_composer.orchestrator.advantages import compute_advantages, filter_ze
 from prime_composer.orchestrator.record import EpisodeRecord
 from prime_composer.orchestrator.replay.shaping import ProcessRewards
 from prime_composer.orchestrator.sample import Sample
-from prime_composer.orchestrator.trace_export import sample_to_trace
+from prime_composer.orchestrator.trace_export import episode_trace
 from prime_composer.teacher.actions import Action
+from prime_composer.teacher.client import TeacherClient
 from prime_composer.teacher.service import _summary
 from prime_composer.teacher.store import PlannedStep, TeacherStore
 from prime_composer.teacher.traces import parse_trace
@@ -93,7 +94,7 @@ def test_process_reward_of_any_action_matches_the_step_labels() -> None:
 
 def label(store: TeacherStore, question: str, trace_answer: str, votes: list[str | None]) -> None:
     """Store a labeled step at the state of ``question`` with these teacher answers."""
-    record = sample_to_trace(rollout(question, trace_answer, 0.0))
+    record = episode_trace([rollout(question, trace_answer, 0.0)])
     trace = parse_trace(record, "test", TraceSourceConfig())
     store.add_trace(trace)
     store.save_plan(trace.trace_id, [PlannedStep(1, trace.state_hash(1), {}, 1.0, 0.0, True)])
@@ -116,7 +117,8 @@ def test_lookup_scores_each_rollout_by_the_votes_at_its_state(tmp_path: Path) ->
     # The same state labeled again by the cascade with one vote: the lookup uses the fuller one.
     label(store, "What is 2 + 3?", "5", ["5"])
     label(store, "What is 1 + 1?", "3", [None])  # no valid vote: not a label
-    lookup = ProcessRewards(path)
+    teacher = TeacherClient(path)
+    lookup = ProcessRewards(teacher)
     samples = [
         rollout("What is 2 + 3?", "5", 1.0),
         rollout("What is 2 + 3?", " 6 ", 0.0),  # the same action as "6" once canonical
@@ -126,7 +128,7 @@ def test_lookup_scores_each_rollout_by_the_votes_at_its_state(tmp_path: Path) ->
     ]
     assert lookup.lookup(samples) == pytest.approx([1 / 3, -1 / 3, -2 / 3, None, None])
     assert lookup.metrics() == {"replay/shaping_looked_up": 5, "replay/shaping_shaped": 3}
-    lookup.close()
+    teacher.store.close()
     # The agreement rate: 1 of 3 votes for the first trace's "6", 1 of 1 for the second's "5".
     assert store.stats()["votes"] == {"for_trace": 2, "total": 4}
     assert _summary(store.stats())["teacher/agreement_rate"] == 0.5

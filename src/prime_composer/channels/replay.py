@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from prime_composer.config.channels import ChannelSpec, Column, Pairing, register_channel
+from prime_composer.config.channels import BuildContext, ChannelSpec, Column, Pairing, register_channel
 from prime_composer.config.cli import origin_of
 from prime_composer.config.dpo import DPOLossConfig
 from prime_composer.config.errors import ConfigError
@@ -18,10 +18,10 @@ from prime_composer.config.resolve import client_host
 if TYPE_CHECKING:
     from prime_composer.config.orchestrator import OrchestratorConfig
     from prime_composer.config.rl import RLConfig
-    from prime_composer.orchestrator.channel import ChannelContext, OrchestratorChannel
+    from prime_composer.orchestrator.channel import OrchestratorChannel
 
 
-def build_orchestrator(config: OrchestratorConfig, ctx: ChannelContext) -> OrchestratorChannel | None:
+def build_orchestrator(config: OrchestratorConfig, ctx: BuildContext) -> OrchestratorChannel | None:
     from prime_composer.orchestrator.replay.channel import ReplayChannel
 
     return ReplayChannel(config) if ReplayChannel.wanted(config) else None

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prime_composer.config.channels import ChannelSpec, Column, Pairing, register_channel
+from prime_composer.config.channels import BuildContext, ChannelSpec, Column, Pairing, register_channel
 from prime_composer.config.loss import SDPOLossConfig
 from prime_composer.config.sdpo import HintConfig
 
 if TYPE_CHECKING:
     from prime_composer.config.orchestrator import OrchestratorConfig
-    from prime_composer.orchestrator.channel import ChannelContext, OrchestratorChannel
+    from prime_composer.orchestrator.channel import OrchestratorChannel
 
 
-def build_orchestrator(config: OrchestratorConfig, ctx: ChannelContext) -> OrchestratorChannel | None:
+def build_orchestrator(config: OrchestratorConfig, ctx: BuildContext) -> OrchestratorChannel | None:
     if not config.sdpo.enabled:
         return None
     from prime_composer.orchestrator.sdpo.channel import SDPOChannel

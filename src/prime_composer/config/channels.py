@@ -35,10 +35,8 @@ every process of a run finds it).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, cast
 
 from pydantic import (
@@ -53,11 +51,11 @@ from pydantic.functional_serializers import SerializerFunctionWrapHandler
 from pydantic.functional_validators import ModelWrapValidatorHandler
 
 from prime_composer.config.base import BaseConfig
+from prime_composer.registry import Registry
 
 if TYPE_CHECKING:
     from prime_composer.config.orchestrator import OrchestratorConfig
     from prime_composer.config.rl import RLConfig
-    from prime_composer.orchestrator.channel import ChannelContext, OrchestratorChannel
 
 BUILTIN_MODULES = (
     "prime_composer.channels.rl",
@@ -65,6 +63,23 @@ BUILTIN_MODULES = (
     "prime_composer.channels.replay",
 )
 ENTRY_POINT_GROUP = "prime_composer.channels"
+
+
+class BuildContext(Protocol):
+    """What the orchestrator gives a channel's builder beside its config
+    (``orchestrator.channel.ChannelContext``)."""
+
+    @property
+    def tokenizer(self) -> Any:
+        """The policy's tokenizer (Hugging Face)."""
+        ...
+
+
+class OrchestratorPart(Protocol):
+    """A channel's part in the orchestrator: an ``orchestrator.channel.OrchestratorChannel`` (the
+    orchestrator checks that it is one; config names only what it needs)."""
+
+    name: str
 
 
 @dataclass(frozen=True)
@@ -103,7 +118,7 @@ class ChannelSpec:
     """Module whose import registers the loss term ``<name>`` (``@register_term``) and its group."""
     orchestrator_config: type[BaseConfig] | None = None
     """The class of ``orchestrator.<name>`` (with an ``enabled`` field); None: no orchestrator half."""
-    orchestrator: Callable[[OrchestratorConfig, ChannelContext], OrchestratorChannel | None] | None = None
+    orchestrator: Callable[[OrchestratorConfig, BuildContext], OrchestratorPart | None] | None = None
     """Builds the channel's orchestrator part for a run (None when it is off in this config).
     Raises ValueError naming the key to fix on bad settings."""
     pairing: Pairing | None = None
@@ -126,43 +141,32 @@ class ChannelSpec:
             )
 
 
-_CHANNELS: dict[str, ChannelSpec] = {}
-_loaded = False
+_CHANNELS: Registry[ChannelSpec] = Registry(
+    "channel",
+    {module.rsplit(".", 1)[1]: module for module in BUILTIN_MODULES},
+    entry_point_group=ENTRY_POINT_GROUP,
+)
 
 
 def register_channel(spec: ChannelSpec) -> ChannelSpec:
     """Add a channel; its name must be new. Returns ``spec``."""
-    _load()  # the built-ins first, whoever registers first
-    if spec.name in _CHANNELS:
-        raise ValueError(f"channel {spec.name!r} is registered twice")
-    _CHANNELS[spec.name] = spec
-    return spec
+    _CHANNELS.load_all()  # the built-ins first, whoever registers first
+    return _CHANNELS.register(spec.name, spec)
 
 
 def unregister_channel(name: str) -> None:
     """Remove a channel (tests that register a toy one clean up with it)."""
-    _CHANNELS.pop(name, None)
-
-
-def _load() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    for module in BUILTIN_MODULES:
-        importlib.import_module(module)
-    for entry in entry_points(group=ENTRY_POINT_GROUP):
-        entry.load()
+    _CHANNELS.unregister(name)
 
 
 def channels() -> list[ChannelSpec]:
     """Every registered channel, built-ins first, in registration order."""
-    _load()
+    _CHANNELS.load_all()
     return list(_CHANNELS.values())
 
 
 def channel(name: str) -> ChannelSpec | None:
-    _load()
+    _CHANNELS.load_all()
     return _CHANNELS.get(name)
 
 

@@ -43,6 +43,7 @@ from prime_composer.config.errors import (
 )
 from prime_composer.config.help import render_help
 from prime_composer.config.introspect import list_item_model, submodel
+from prime_composer.registry import Registry
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -90,7 +91,7 @@ class CliOptions:
 
 
 class RawTranslator(Protocol):
-    """Rewrites another project's key names (PRIME-RL's: ``config/prime_rl.py``) into the model's,
+    """Rewrites another project's key names (PRIME-RL's: ``prime_rl/names.py``) into the model's,
     on the merged raw values, before validation, so every key keeps its origin."""
 
     def flag_target(self, dotted: str) -> str | None:
@@ -102,6 +103,18 @@ class RawTranslator(Protocol):
     ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
         """``(values, origins, notes)``; raises ``ConfigError`` for keys that cannot be translated."""
         ...
+
+
+DIALECTS: Registry[Callable[[type[BaseModel]], RawTranslator]] = Registry(
+    "config dialect", {"prime-rl": "prime_composer.prime_rl.names"}
+)
+"""Other projects' config names by dialect: each maps a model to its ``RawTranslator``. Imported by
+name on first use, so the translators (``prime_composer/prime_rl/``) sit above ``config/``."""
+
+
+def dialect(name: str, model: type[BaseModel]) -> RawTranslator:
+    """The translator of dialect ``name`` (``"prime-rl"``) for ``model``."""
+    return DIALECTS.get_or_load(name)(model)
 
 
 def resolve_field(model: type[BaseModel], dotted: str, origin: str) -> Any:

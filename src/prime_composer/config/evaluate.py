@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from prime_composer.config.prime_rl import PrimeRLNames
+from prime_composer.config.cli import dialect
 from prime_composer.config.rl import RLConfig
 
 
@@ -83,5 +83,5 @@ def resolve_kwargs(model: type[RLConfig]) -> dict[str, Any]:
         "env_prefix": ENV_PREFIX,
         "aliases": RL_ALIASES,
         "finalize": finalize_rl_config,
-        "translate": PrimeRLNames(model),
+        "translate": dialect("prime-rl", model),
     }

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from prime_composer.config.advantage import AdvantageConfig
 from prime_composer.config.base import BaseConfig
 from prime_composer.config.channels import ChannelSections
+from prime_composer.config.client import RetryConfig
 from prime_composer.config.common import CommonConfig
 from prime_composer.config.env import EnvConfig, RolloutConfig, SamplingConfig
 from prime_composer.config.sdpo import HintConfig
@@ -52,6 +53,9 @@ class ReplaySourceConfig(BaseConfig):
 
     teacher_secret_env: str | None = None
     """Name of the variable with the teacher service's secret (``rl`` copies ``teacher.secret_env``)."""
+
+    retry: RetryConfig = RetryConfig(timeout_s=30.0, max_retries=2)
+    """Timeouts and retries of the trace posts to the teacher service (``teacher/client.py``)."""
 
 
 class FailureConfig(BaseConfig):

@@ -23,8 +23,11 @@ if TYPE_CHECKING:
     from prime_composer.config.rl import RLConfig
 
 
-def free_port(host: str, taken: set[int]) -> int:
-    """A port nothing listens on at ``host`` now and not in ``taken`` (which it joins)."""
+def free_port(host: str = "127.0.0.1", taken: set[int] | None = None) -> int:
+    """A port nothing listens on at ``host`` now and not in ``taken`` (which it joins). The one
+    free-port helper of the project: a server binds it moments later, and one that loses it to
+    another program fails its start with an error that says so."""
+    taken = set() if taken is None else taken
     bind_host = "127.0.0.1" if host in ("", "localhost") else host.strip("[]")
     family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
     for _ in range(100):

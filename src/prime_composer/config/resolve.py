@@ -6,18 +6,17 @@ from collections.abc import Sequence
 from typing import cast
 
 from prime_composer.config.channels import Pairing, Switched, Weighted, channels
-from prime_composer.config.cli import CliOptions, build_config, origin_of
+from prime_composer.config.cli import CliOptions, build_config, dialect, origin_of
 from prime_composer.config.errors import ConfigError
 from prime_composer.config.ports import assign_free_ports, free_port
-from prime_composer.config.prime_rl import PrimeRLNames
 from prime_composer.config.processes import SECTION_NAMES, checkpoint_parts
 from prime_composer.config.rl import RLConfig
 from prime_composer.config.shared import unify_shared_keys
 
 ENV_PREFIX = "PRIME_COMPOSER_"
 RL_ALIASES = {"--resume": "ckpt.resume=true"}
-PRIME_RL_NAMES = PrimeRLNames(RLConfig)
-"""PRIME-RL's spelling of the same settings, accepted by ``rl`` (``config/prime_rl.py``)."""
+PRIME_RL_NAMES = dialect("prime-rl", RLConfig)
+"""PRIME-RL's spelling of the same settings, accepted by ``rl`` (``prime_rl/names.py``)."""
 
 
 def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:

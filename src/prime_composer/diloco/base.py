@@ -22,16 +22,16 @@ signed, quantized payloads through a ``Store``; ``torchft`` (``torchft_backend.p
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol, TypeVar, get_args
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from prime_composer.config.diloco import DilocoBackend, DilocoConfig
 from prime_composer.diloco.payload import Kind
+from prime_composer.registry import Registry
 
 
 class OuterLoop(Protocol):
@@ -94,15 +94,12 @@ class Store(Protocol):
 OuterLoopFactory = Callable[[DilocoConfig, nn.Module, torch.optim.Optimizer, Path], OuterLoop]
 """An outer loop's constructor: ``(cfg, model, inner optimizer, work dir)``."""
 
-OUTER_LOOPS: dict[str, OuterLoopFactory] = {}
-"""The registered backends by ``diloco.backend`` literal (filled when their modules import)."""
-
-_MODULES: dict[DilocoBackend, str] = {
-    "shardcast": "prime_composer.diloco.loop",
-    "torchft": "prime_composer.diloco.torchft_backend",
-}
-"""Where each backend registers itself; imported on first use (torchft only when it is chosen)."""
-
+OUTER_LOOPS: Registry[OuterLoopFactory] = Registry(
+    "diloco.backend",
+    {"shardcast": "prime_composer.diloco.loop", "torchft": "prime_composer.diloco.torchft_backend"},
+)
+"""The registered backends by ``diloco.backend`` literal, each imported on first use (torchft
+only when it is chosen)."""
 
 _Factory = TypeVar("_Factory", bound=OuterLoopFactory)
 
@@ -112,9 +109,7 @@ def register_outer_loop(name: DilocoBackend) -> Callable[[_Factory], _Factory]:
     constructs an ``OuterLoop`` from ``(cfg, model, optimizer, work_dir)``)."""
 
     def register(factory: _Factory) -> _Factory:
-        if name in OUTER_LOOPS:
-            raise ValueError(f"diloco backend {name!r} is registered twice")
-        OUTER_LOOPS[name] = factory
+        OUTER_LOOPS.register(name, factory)
         return factory
 
     return register
@@ -122,11 +117,7 @@ def register_outer_loop(name: DilocoBackend) -> Callable[[_Factory], _Factory]:
 
 def outer_loop_class(name: DilocoBackend) -> OuterLoopFactory:
     """The registered constructor of backend ``name`` (its module is imported here)."""
-    if name not in OUTER_LOOPS:
-        if name not in _MODULES:
-            raise ValueError(f"diloco.backend = {name!r}: choose one of {sorted(get_args(DilocoBackend))}")
-        importlib.import_module(_MODULES[name])
-    return OUTER_LOOPS[name]
+    return OUTER_LOOPS.get_or_load(name)
 
 
 def build_outer_loop(

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ import torch
 from torch import nn
 
 from prime_composer.config.diloco import DilocoConfig, PeerConfig
+from prime_composer.config.ports import free_port
 from prime_composer.diloco.base import build_outer_loop
 from prime_composer.diloco.loop import ShardcastOuterLoop
 from prime_composer.diloco.payload import tensor_digest
@@ -53,12 +53,6 @@ def make_model(width: int, depth: int, seed: int = 0) -> nn.Module:
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.Tanh()]
     return nn.Sequential(*layers, nn.Linear(width, 1))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def loopback_configs(num_dcs: int, secret_env: str, **fields: Any) -> list[DilocoConfig]:

@@ -28,13 +28,13 @@ when it is chosen (vLLM's launcher never loads torch models, the ``hf`` backend 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Protocol, TypeVar, get_args
+from typing import Protocol, TypeVar
 
 from prime_composer.config.inference import InferenceBackendName, InferenceConfig
 from prime_composer.netaddr import client_url
+from prime_composer.registry import Registry
 
 
 class InferenceBackend(Protocol):
@@ -63,13 +63,11 @@ class InferenceBackend(Protocol):
         ...
 
 
-BACKENDS: dict[str, InferenceBackend] = {}
+BACKENDS: Registry[InferenceBackend] = Registry(
+    "inference.backend",
+    {"hf": "prime_composer.inference.hf.backend", "vllm": "prime_composer.inference.vllm.backend"},
+)
 """The registered backends by ``inference.backend`` literal (filled as their modules import)."""
-
-_MODULES: dict[InferenceBackendName, str] = {
-    "hf": "prime_composer.inference.hf.backend",
-    "vllm": "prime_composer.inference.vllm.backend",
-}
 
 _Backend = TypeVar("_Backend", bound=Callable[[], InferenceBackend])
 
@@ -78,12 +76,10 @@ def register_backend(name: InferenceBackendName) -> Callable[[_Backend], _Backen
     """Register a backend class (built without arguments) under its ``inference.backend`` literal."""
 
     def register(cls: _Backend) -> _Backend:
-        if name in BACKENDS:
-            raise ValueError(f"inference backend {name!r} is registered twice")
         backend = cls()
         if backend.name != name:
             raise ValueError(f"inference backend {cls!r} is named {backend.name!r}, registered as {name!r}")
-        BACKENDS[name] = backend
+        BACKENDS.register(name, backend)
         return cls
 
     return register
@@ -91,13 +87,7 @@ def register_backend(name: InferenceBackendName) -> Callable[[_Backend], _Backen
 
 def get_backend(name: InferenceBackendName) -> InferenceBackend:
     """The backend registered as ``name`` (its module is imported here)."""
-    if name not in BACKENDS:
-        if name not in _MODULES:
-            raise ValueError(
-                f"inference.backend = {name!r}: choose one of {sorted(get_args(InferenceBackendName))}"
-            )
-        importlib.import_module(_MODULES[name])
-    return BACKENDS[name]
+    return BACKENDS.get_or_load(name)
 
 
 def health_url(config: InferenceConfig) -> str:

@@ -342,7 +342,7 @@ def _run_stages(
 
 
 SUBCOMMANDS = {
-    "migrate": "prime_composer.config.migrate",  # rl migrate prime-rl.toml: print it in our names
+    "migrate": "prime_composer.prime_rl.migrate",  # rl migrate prime-rl.toml: print it in our names
     "export": "prime_composer.trainer.export",  # rl export @ config.toml --checkpoint <dir>
 }
 """``rl <name> ...``: the module whose ``main(argv)`` runs it."""

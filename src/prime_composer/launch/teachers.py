@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import sys
 from pathlib import Path
 
 from prime_composer.config.base import CheckpointConfig, ModelConfig
 from prime_composer.config.inference import InferenceConfig
+from prime_composer.config.ports import free_port
 from prime_composer.config.rl import RLConfig
 from prime_composer.config.sft import SFTConfig
 from prime_composer.config.teacher import TeacherEndpointConfig
@@ -139,18 +139,6 @@ def warmup_specs(
     return specs, sft_specs
 
 
-def free_port(taken: set[int]) -> int:
-    """A loopback port nothing listens on now and not in ``taken`` (the servers bind it moments
-    later; one that loses it to another program fails its start, and the launcher says so)."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        if port not in taken:
-            taken.add(port)
-            return port
-
-
 def server_specs(config: RLConfig) -> list[ProcessSpec]:
     """One inference server per local teacher; fills in each endpoint's ``base_url`` (so write the
     resolved configs after this)."""
@@ -159,7 +147,7 @@ def server_specs(config: RLConfig) -> list[ProcessSpec]:
     for endpoint in local_teachers(config):
         local = endpoint.local
         assert local is not None
-        port = free_port(taken)
+        port = free_port("127.0.0.1", taken)
         inference = InferenceConfig(
             model=served_model(config, endpoint),
             output_dir=teacher_dir(config, endpoint),  # weight updates: none (the teacher is frozen)

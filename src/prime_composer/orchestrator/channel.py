@@ -75,6 +75,10 @@ def build_channels(config: OrchestratorConfig, ctx: ChannelContext) -> list[Orch
     built: list[OrchestratorChannel] = []
     for spec in channels():
         if spec.orchestrator is not None and (part := spec.orchestrator(config, ctx)) is not None:
+            if not isinstance(part, OrchestratorChannel):
+                raise TypeError(
+                    f"channel {spec.name!r}: its orchestrator builder returned {part!r}, not an OrchestratorChannel"
+                )
             built.append(part)
     for spec in channels():
         section = config.section(spec.name) if spec.orchestrator_config is not None else None

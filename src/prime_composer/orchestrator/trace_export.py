@@ -10,9 +10,9 @@ and ``logprobs`` and the exact ``prompt_token_ids`` it was given; each tool resu
 code and whether it failed. An episode split in several Samples (a history-rewriting template)
 gives one trace: the Samples share the conversation and each contributes its own turns.
 
-A Sample without per-turn records (built by hand, say) becomes one trace of its messages, with the
-exact tokens the policy saw and sampled (``prompt_token_ids``, ``token_ids``) and their logprobs
-on its only assistant turn (``sample_to_trace``).
+A Sample without per-turn records (built by hand, say) goes through the same converter as an
+episode of its own: its policy tokens (``completion_mask``), when they are one run, are the turn of
+its only assistant message (``sample_turns``).
 """
 
 from __future__ import annotations
@@ -25,23 +25,42 @@ from prime_composer.orchestrator.sample import Sample
 from prime_composer.tool_calls import get_parser
 
 
-def episode_trace(samples: Sequence[Sample]) -> dict[str, Any]:
-    """The trace record of one episode's Samples (all from the same trace, ``episode.trace_id``)."""
+def sample_turns(sample: Sample) -> list[TurnInfo]:
+    """The per-turn records of a Sample: its own (``episode.turns``), or for a Sample built without
+    them one turn over its policy tokens at its only assistant message (none when its policy tokens
+    are not one run or it has not exactly one assistant message)."""
+    if sample.episode.turns is not None:
+        return sample.episode.turns
+    assistant = [i for i, m in enumerate(sample.episode.messages) if _role(m) == "assistant"]
+    policy = [i for i, m in enumerate(sample.completion_mask) if m]
+    if len(assistant) != 1 or not policy or policy != list(range(policy[0], policy[-1] + 1)):
+        return []
+    return [
+        TurnInfo(index=0, span=(policy[0], policy[-1] + 1), message_index=assistant[0], finish_reason=None)
+    ]
+
+
+def episode_trace(samples: Sequence[Sample]) -> dict[str, Any] | None:
+    """The trace record of one episode's Samples (all from the same trace, ``episode.trace_id``), or
+    None when it has no assistant turn to replay or every Sample of it failed."""
     if not samples or any(s.episode.trace_id != samples[0].episode.trace_id for s in samples):
         raise ValueError("episode_trace needs the Samples of exactly one episode (one trace_id)")
+    if all(s.error is not None for s in samples):
+        return None
     info = samples[0].episode
-    if info.turns is None:
-        raise ValueError("these Samples carry no per-turn records (episode.turns)")
     parser = get_parser(info.tool_call_format or "hermes")
     steps: dict[int, tuple[Sample, TurnInfo]] = {}
     for sample in samples:
-        for turn in sample.episode.turns or []:
+        for turn in sample_turns(sample):
             if turn.message_index is not None:
                 steps[turn.message_index] = (sample, turn)
     results: dict[str, ToolOutcome] = {r.call_id: r for s, t in steps.values() for r in t.tool_results}
     turns: list[dict[str, Any]] = []
     for index, message in enumerate(info.messages):
-        role, content = message["role"], message.get("content") or ""
+        role = _role(message)
+        if role is None:
+            continue
+        content = message["content"] if isinstance(message.get("content"), str) else ""
         if role == "assistant" and index in steps:
             sample, turn = steps[index]
             start, end = turn.span
@@ -71,15 +90,26 @@ def episode_trace(samples: Sequence[Sample]) -> dict[str, Any]:
             )
         else:
             turns.append({"role": role, "content": content})
+    if not any(t["role"] == "assistant" for t in turns):
+        return None
     task = info.task if info.task is not None else {}
-    return {
-        "id": str(info.trace_id),
-        "task": task.get("prompt", task),
-        "tools": [t.get("function", t) for t in info.tools or []],
-        "turns": turns,
-        "reward": samples[0].reward,
-        "info": {"env": info.env, "task_id": info.task_id, "stop": info.stop},
-    }
+    trace: dict[str, Any] = {"id": str(info.trace_id)} if info.trace_id else {}
+    trace.update(
+        {
+            "task": task.get("prompt", task),
+            "tools": [t.get("function", t) for t in info.tools or []],
+            "turns": turns,
+            "reward": samples[0].reward,
+            "info": {"env": info.env, "task_id": info.task_id, "stop": info.stop},
+        }
+    )
+    return trace
+
+
+def _role(message: Any) -> str | None:
+    """A message's role when it is one a trace holds (``teacher.traces.Turn``), else None."""
+    role = message.get("role") if isinstance(message, dict) else None
+    return role if role in ("system", "user", "assistant", "tool") else None
 
 
 def episode_key(sample: Sample) -> str | None:
@@ -89,40 +119,17 @@ def episode_key(sample: Sample) -> str | None:
     return str(sample.episode.trace_id)
 
 
-def sample_to_trace(sample: Sample) -> dict[str, Any] | None:
-    """The trace record of a finished sample, or None when it has no messages to replay."""
-    messages = sample.episode.messages
-    turns = [
-        {"role": m["role"], "content": m.get("content") if isinstance(m.get("content"), str) else ""}
-        for m in messages
-        if isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")
-    ]
-    assistant = [i for i, t in enumerate(turns) if t["role"] == "assistant"]
-    if not assistant or sample.error is not None:
-        return None
-    last = turns[assistant[-1]]
-    policy = [i for i, m in enumerate(sample.completion_mask) if m]
-    if len(assistant) == 1 and policy:
-        last["prompt_token_ids"] = list(sample.prompt_ids)
-        last["token_ids"] = [sample.completion_ids[i] for i in policy]
-        last["logprobs"] = [sample.completion_logprobs[i] for i in policy]
-    trace: dict[str, Any] = {"turns": turns, "reward": sample.reward}
-    if sample.episode.trace_id:
-        trace["id"] = str(sample.episode.trace_id)
-    if sample.episode.task is not None:
-        trace["task"] = sample.episode.task
-    return trace
+def episodes(samples: Sequence[Sample]) -> list[list[Sample]]:
+    """The samples grouped by episode, in order of first appearance: the Samples of a split episode
+    (``episode_key``) together, every other Sample alone."""
+    groups: dict[str | int, list[Sample]] = {}
+    for number, sample in enumerate(samples):
+        key = episode_key(sample)
+        groups.setdefault(number if key is None else key, []).append(sample)
+    return list(groups.values())
 
 
-def samples_to_traces(samples: list[Sample]) -> list[dict[str, Any]]:
-    """The trace records of finished samples: one per agent episode, one per plain sample."""
-    traces: list[dict[str, Any]] = []
-    episodes: dict[str, list[Sample]] = {}
-    for sample in samples:
-        if (key := episode_key(sample)) is not None:
-            if sample.error is None:
-                episodes.setdefault(key, []).append(sample)
-        elif (trace := sample_to_trace(sample)) is not None:
-            traces.append(trace)
-    traces.extend(episode_trace(episode) for episode in episodes.values())
-    return traces
+def samples_to_traces(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+    """The trace records of finished samples, one per episode (failed Samples left out)."""
+    finished = [s for s in samples if s.error is None]
+    return [trace for group in episodes(finished) if (trace := episode_trace(group)) is not None]

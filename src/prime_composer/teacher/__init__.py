@@ -15,11 +15,13 @@ trace's action into step-level DPO pairs and process rewards, within hard budget
     reference.py  pair token ids and reference logprobs (transformers, lazy torch)
     replay.py     plan, label, reference pass
     store.py      the SQLite store (traces, plans and labels, cache, ledger, pairs)
-    pairs.py      ``PairStore``: the read side for the orchestrator's pair source
+    pairs.py      ``PairStore``: the read side of the pairs, generated from ``Pair``'s fields
+    client.py     ``TeacherClient``: traces in, pairs and process rewards out
     server.py     the HTTP routes
     service.py    the process; ``main.py`` its console script
 
-What other processes use: ``PairStore(path).take(n, after_cursor)`` (or ``GET /v1/pairs``) for
-pairs, ``POST /v1/traces`` to send traces, ``PairStore.process_rewards(trace_id)`` for process
-rewards. Only ``pairs.py`` is meant to be imported by them; it needs the standard library only.
+What other processes use: ``client.TeacherClient`` only (the orchestrator's replay channel,
+``orchestrator/replay/``): ``send(traces)`` posts to ``POST /v1/traces``, ``take_pairs(n,
+after_cursor)`` and ``process_reward(trace)`` read the store. ``GET /v1/pairs`` and
+``GET /v1/process_rewards/{trace_id}`` serve the same reads to people and tools off this machine.
 """

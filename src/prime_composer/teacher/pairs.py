@@ -10,6 +10,11 @@ complete resume position (like the orchestrator's data counters). The reader ope
 file in WAL mode next to the writing service and never blocks it; before the service has created
 the file, ``take`` returns nothing. Only the standard library is imported here.
 
+The reader is generated from ``Pair``'s fields: each is a column of the store's ``pairs`` table
+(``store.py``'s schema) read under its own name, JSON-decoded where the field is a list or a dict;
+the first read checks the file's table has every one of them (``PairStoreError`` naming the file
+and the missing columns otherwise), so a schema change cannot silently drop a field.
+
 Token layout of a pair, for the trainer's DPO term: the chosen sequence is
 ``context_ids + chosen_ids``, the rejected one ``context_ids + rejected_ids``; the loss tokens are
 ``chosen_ids`` and ``rejected_ids`` (each ends with the end-of-turn token), and
@@ -20,6 +25,7 @@ reference logprobs of ``trainer/losses/dpo.py``; their lengths its token counts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 from dataclasses import dataclass
@@ -75,12 +81,25 @@ class Pair:
         return sum(self.ref_rejected_logprobs)
 
 
+PAIR_FIELDS = tuple(f.name for f in dataclasses.fields(Pair))
+"""The ``pairs`` columns a ``Pair`` is read from, in field order."""
+_JSON_FIELDS = frozenset(
+    f.name for f in dataclasses.fields(Pair) if str(f.type).startswith(("list[", "dict["))
+)
+_SELECT = f"SELECT {', '.join(PAIR_FIELDS)} FROM pairs"
+
+
+class PairStoreError(RuntimeError):
+    """The store's ``pairs`` table lacks columns a ``Pair`` is read from."""
+
+
 class PairStore:
     """Read ready pairs from the service's store (any process, any time)."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._conn: sqlite3.Connection | None = None
+        self._checked = False
 
     def _connection(self) -> sqlite3.Connection | None:
         if self._conn is None and self.path.exists():
@@ -89,7 +108,20 @@ class PairStore:
             )
             self._conn.row_factory = sqlite3.Row
             self._conn.execute("PRAGMA busy_timeout = 60000")
+        if self._conn is not None and not self._checked:
+            self._check_columns(self._conn)
         return self._conn
+
+    def _check_columns(self, conn: sqlite3.Connection) -> None:
+        """Once the service has made the ``pairs`` table: it has every column of ``PAIR_FIELDS``."""
+        columns = {row["name"] for row in conn.execute("PRAGMA table_info(pairs)")}
+        self._checked = bool(columns)
+        missing = [name for name in PAIR_FIELDS if name not in columns] if columns else []
+        if missing:
+            raise PairStoreError(
+                f"{self.path}: the pairs table has no column {', '.join(missing)}: the store was written "
+                "by another version of the teacher service; start it again on a new store"
+            )
 
     def close(self) -> None:
         if self._conn is not None:
@@ -106,7 +138,7 @@ class PairStore:
         if conn is None:
             return []
         rows = conn.execute(
-            "SELECT * FROM pairs WHERE status = 'ready' AND cursor > ? ORDER BY cursor LIMIT ?",
+            f"{_SELECT} WHERE status = 'ready' AND cursor > ? ORDER BY cursor LIMIT ?",
             (after_cursor, n),
         ).fetchall()
         return [_pair(r) for r in rows]
@@ -169,23 +201,4 @@ class PairStore:
 
 
 def _pair(r: sqlite3.Row) -> Pair:
-    return Pair(
-        cursor=r["cursor"],
-        trace_id=r["trace_id"],
-        turn_index=r["turn_index"],
-        state_hash=r["state_hash"],
-        context_ids=json.loads(r["context_ids"]),
-        chosen_ids=json.loads(r["chosen_ids"]),
-        rejected_ids=json.loads(r["rejected_ids"]),
-        ref_chosen_logprobs=json.loads(r["ref_chosen_logprobs"]),
-        ref_rejected_logprobs=json.loads(r["ref_rejected_logprobs"]),
-        label_smoothing=r["label_smoothing"],
-        vote_share=r["vote_share"],
-        margin=r["margin"],
-        process_reward=r["process_reward"],
-        chosen_source=r["chosen_source"],
-        chosen_text=r["chosen_text"],
-        rejected_text=r["rejected_text"],
-        reference_model=r["reference_model"],
-        provenance=json.loads(r["provenance"]),
-    )
+    return Pair(**{name: json.loads(r[name]) if name in _JSON_FIELDS else r[name] for name in PAIR_FIELDS})

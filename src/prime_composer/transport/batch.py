@@ -24,6 +24,7 @@ cannot run code.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -149,7 +150,7 @@ class MicroBatch:
             if not bool(torch.isfinite(getattr(self, name)).all()):
                 raise BatchFormatError(f"MicroBatch.{name} holds non-finite values")
         for key, group in self.groups.items():
-            if key not in GROUPS or not isinstance(group, GROUPS[key]):
+            if key not in known_groups() or not isinstance(group, GROUPS[key]):
                 raise BatchFormatError(f"MicroBatch.groups[{key!r}] is not a registered batch group")
             group.validate(self)
 
@@ -224,7 +225,7 @@ def decode_rank_batch(data: bytes) -> tuple[int, int, list[MicroBatch]]:
         core = {name: _tensor(tensors, f"{i}/{name}", name, i) for name in CORE_DTYPES}
         groups: dict[str, BatchGroup] = {}
         for group_name in meta["groups"]:
-            kind = GROUPS.get(group_name)
+            kind = known_groups().get(group_name)
             if kind is None:
                 raise BatchFormatError(
                     f"micro-batch {i} carries a group {group_name!r} this trainer does not know "
@@ -261,5 +262,8 @@ def _canonical_table(table: dict[str, Any]) -> bytes:
     return json.dumps({k: v for k, v in table.items() if k != "__metadata__"}, sort_keys=True).encode()
 
 
-# The built-in groups register themselves on import; decoding needs them all.
-from prime_composer.transport import groups as _groups  # noqa: E402, F401
+def known_groups() -> dict[str, type[BatchGroup]]:
+    """``GROUPS`` with the built-in groups (``transport/groups.py``) imported: they register
+    themselves on import, and checking or decoding needs them all."""
+    importlib.import_module("prime_composer.transport.groups")
+    return GROUPS

@@ -1,8 +1,9 @@
-"""The replay channel's part in the orchestrator: the run's rollouts go to the teacher service as
-traces (``traces.py``, with ``orchestrator.replay.send_traces``), its pairs come back into every
-batch (``source.py``, packed by ``packing.py``; with ``orchestrator.replay.enabled``), and its
-process rewards shape the advantages (``shaping.py``; with
-``orchestrator.advantage.process_reward_weight > 0``). The pair cursor is its checkpoint state."""
+"""The replay channel's part in the orchestrator, all through one ``teacher.client.TeacherClient``:
+the run's rollouts go to the teacher service as traces (``trace_export.py``, with
+``orchestrator.replay.send_traces``), its pairs come back into every batch (``source.py``, packed by
+``packing.py``; with ``orchestrator.replay.enabled``), and its process rewards shape the advantages
+(``shaping.py``; with ``orchestrator.advantage.process_reward_weight > 0``). The pair cursor is its
+checkpoint state."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from typing import Any
 from prime_composer.client.http import read_api_key
 from prime_composer.config.orchestrator import OrchestratorConfig
 from prime_composer.orchestrator.channel import OrchestratorChannel
-from prime_composer.orchestrator.replay.packing import DPOPacker
+from prime_composer.orchestrator.replay.packing import ReplayPacker
 from prime_composer.orchestrator.replay.shaping import ProcessRewards
-from prime_composer.orchestrator.replay.source import PairSource
-from prime_composer.orchestrator.replay.traces import TraceSender
+from prime_composer.orchestrator.replay.source import PairSource, store_path
 from prime_composer.orchestrator.sample import Sample
+from prime_composer.orchestrator.trace_export import samples_to_traces
+from prime_composer.teacher.client import TeacherClient
 from prime_composer.transport.groups import DPOGroup
 
 
@@ -25,9 +27,9 @@ class ReplayChannel(OrchestratorChannel):
     def __init__(self, config: OrchestratorConfig) -> None:
         self.config = config
         replay = config.replay
-        self.source = PairSource(replay, config.output_dir) if replay.enabled else None
-        self.packer = DPOPacker() if replay.enabled else None
-        self.traces: TraceSender | None = None
+        self.teacher = TeacherClient(store_path(replay, config.output_dir))
+        self.source = PairSource(replay, config.output_dir, self.teacher) if replay.enabled else None
+        self.packer = ReplayPacker() if replay.enabled else None
         self.shaping: ProcessRewards | None = None
 
     @staticmethod
@@ -43,21 +45,20 @@ class ReplayChannel(OrchestratorChannel):
     async def open(self) -> None:
         replay = self.config.replay
         if replay.send_traces and replay.teacher_url is not None:
-            self.traces = TraceSender(
+            self.teacher.connect(
                 replay.teacher_url,
                 read_api_key(replay.teacher_secret_env, "orchestrator.replay.teacher_secret_env"),
+                replay.retry,
             )
         if self.config.advantage.process_reward_weight > 0:
-            self.shaping = ProcessRewards(
-                replay.store or self.config.output_dir / "teacher" / "teacher.sqlite"
-            )
+            self.shaping = ProcessRewards(self.teacher)
             self.process_rewards = self.shaping.lookup
 
     def observe(self, generated: list[Sample]) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        if self.traces is not None:  # the teacher service replays the run's own rollouts
-            self.traces.send(generated)
-            metrics.update(self.traces.metrics())
+        if self.teacher.connected:  # the teacher service replays the run's own rollouts
+            self.teacher.send(samples_to_traces(generated))
+            metrics.update(self.teacher.metrics())
         if self.shaping is not None:
             metrics.update(self.shaping.metrics())
         return metrics
@@ -76,7 +77,4 @@ class ReplayChannel(OrchestratorChannel):
             self.source.load_state_dict(state)
 
     async def aclose(self) -> None:
-        if self.traces is not None:
-            await self.traces.aclose()
-        if self.shaping is not None:
-            self.shaping.close()
+        await self.teacher.aclose()

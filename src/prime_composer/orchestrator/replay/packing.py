@@ -15,12 +15,12 @@ import torch
 
 from prime_composer.orchestrator.packing import Piece, Placement, next_fit
 from prime_composer.orchestrator.sample import Sample
-from prime_composer.teacher.pairs import Pair
+from prime_composer.teacher.client import Pair
 from prime_composer.transport.batch import BatchGroup
 from prime_composer.transport.groups import DPOGroup
 
 
-class DPOPacker:
+class ReplayPacker:
     """``GroupPacker`` of the ``replay`` group."""
 
     name = DPOGroup.name

@@ -1,4 +1,4 @@
-"""The table of PRIME-RL's config keys: what each becomes in this project (``config/prime_rl.py``
+"""The table of PRIME-RL's config keys: what each becomes in this project (``prime_rl/names.py``
 applies it; ``docs/prime-rl.md`` is the same table for readers).
 
 Four kinds: ``rename`` (the same setting under our name), ``same`` (what this project always does:

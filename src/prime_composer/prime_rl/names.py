@@ -7,7 +7,7 @@ something here too, under other names (``seq_len`` at the top is ``orchestrator.
 raw dict (files, flags and environment, before pydantic sees it), so every translated key keeps
 the origin of the key it came from and errors still name the file.
 
-Every PRIME-RL key falls in one of four kinds (``config/prime_rl_rules.py``; ``docs/prime-rl.md``):
+Every PRIME-RL key falls in one of four kinds (``prime_rl/rules.py``; ``docs/prime-rl.md``):
 
 - ``rename``: the same setting under our name (values converted where the units differ);
 - ``same``: what this project always does (``harness.id = "null"``, ``weight_broadcast.type =
@@ -39,9 +39,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from prime_composer.config.cli import flatten, origin_of, resolve_field
+from prime_composer.config.cli import DIALECTS, flatten, origin_of, resolve_field
 from prime_composer.config.errors import ConfigError
-from prime_composer.config.prime_rl_rules import RULES, SEATS, Kind, Rule
+from prime_composer.prime_rl.rules import RULES, SEATS, Kind, Rule
 
 
 @dataclass
@@ -607,3 +607,6 @@ def _show(value: Any) -> str:
         return "{...}"
     text = json.dumps(value) if isinstance(value, dict | list | bool | None) else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+DIALECTS.register("prime-rl", PrimeRLNames)

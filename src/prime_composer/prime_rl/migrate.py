@@ -4,7 +4,7 @@
     uv run rl migrate --trainer @ train.toml --orchestrator @ orch.toml --inference @ infer.toml
 
 Takes the same files and flags as ``rl`` (includes followed, ``--section @ file`` scoped). The
-output is the TOML of every key that was given, translated (``config/prime_rl.py``), headed by
+output is the TOML of every key that was given, translated (``prime_rl/names.py``), headed by
 comments that say, key by key, what was renamed, what was dropped as already how this project
 works, what was ignored and why, and what has no equivalent and must be edited. The translated
 config is then validated like ``rl`` would; its errors (and the keys that have no equivalent) are
@@ -23,9 +23,9 @@ from pydantic import ValidationError
 
 from prime_composer.config.cli import _deep_merge, format_validation_error, parse_argv
 from prime_composer.config.errors import ConfigError
-from prime_composer.config.prime_rl import Finding, Translation, translate
 from prime_composer.config.resolve import PRIME_RL_NAMES, RL_ALIASES, finalize_rl_config
 from prime_composer.config.rl import RLConfig
+from prime_composer.prime_rl.names import Finding, Translation, translate
 
 USAGE = "usage: rl migrate <prime-rl.toml> [more files or --flags, as for rl]"
 
