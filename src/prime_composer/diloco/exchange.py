@@ -14,8 +14,8 @@ with different global weights. The agreement here is a per-round commit by a coo
    ``(j + 1) * round_deadline_s`` if no earlier candidate has (failover); a DC that is not a
    candidate (it was left out) comes after them all;
 3. every DC takes the first commit in candidate order, downloads any member payload it lacks,
-   averages the dequantized pseudo-gradients weighted by tokens *in the commit's order*, and takes
-   the outer step. Same inputs, same order, same float32 CPU operations: bit-identical results.
+   combines the dequantized pseudo-gradients *in the commit's order* (``aggregate.py``: uniform or
+   capped token weights, norm clipping, mean or trimmed mean), and takes the outer step. Same inputs, same order, same float32 CPU operations: bit-identical results.
    The committer also publishes the fragment's new global weights and outer momentum (``state``),
    from which a restarted DC rebuilds the global model (``catch_up``).
 
