@@ -419,3 +419,14 @@ def test_config_bounds_and_conflicts() -> None:
             ValidationConfig(**bad)  # type: ignore[arg-type]
     cfg = DilocoConfig.model_validate({"validation": {"aggregation": "trimmed_mean"}})
     assert cfg.validation.aggregation == "trimmed_mean" and cfg.validation.norm_clip_ratio == 10.0
+
+
+def test_own_invalid_payload_is_not_sent_and_the_weights_stay() -> None:
+    theta, _ = _inputs()
+    alone = Exchange(
+        _config("dc-a", quantization="none").model_copy(update={"peers": []}), None, SECRET, ["layout"]
+    )
+    bad = _grad(alone, theta, torch.full((NUMEL,), math.nan))
+    result = alone.run_round(0, 0, bad, theta, torch.zeros_like(theta), ["dc-a"])
+    assert result.status == "applied" and result.members == [] and result.theta is not None
+    assert torch.equal(result.theta, theta) and alone.rejected == Counter({"non_finite": 1})

@@ -15,7 +15,8 @@ with different global weights. The agreement here is a per-round commit by a coo
    candidate (it was left out) comes after them all;
 3. every DC takes the first commit in candidate order, downloads any member payload it lacks,
    combines the dequantized pseudo-gradients *in the commit's order* (``aggregate.py``: uniform or
-   capped token weights, norm clipping, mean or trimmed mean), and takes the outer step. Same inputs, same order, same float32 CPU operations: bit-identical results.
+   capped token weights, norm clipping, mean or trimmed mean), and takes the outer step. Same
+   inputs, same order, same float32 CPU operations: bit-identical results.
    The committer also publishes the fragment's new global weights and outer momentum (``state``),
    from which a restarted DC rebuilds the global model (``catch_up``).
 
@@ -191,12 +192,16 @@ class Exchange:
         for gone in [k for k in self._attempts if k[0] < round_]:
             del self._attempts[gone]
         own = self._grad(own_payload, self.me, round_, fragment, theta.numel())
-        assert own is not None, "own payload must verify"
-        got: dict[str, GradPayload] = {self.me: own}
+        got: dict[str, GradPayload] = {}
+        if own is not None:
+            got[self.me] = own
+        else:  # peers would reject it too: take part in the round without a contribution
+            logger.error("diloco: this DC's own payload of round %d fails validation: not sent", round_)
         if self.store is None:
             alone = self._commit_header(round_, fragment, got, base_digest, candidates)
             return self._finish(round_, fragment, alone, got, theta, momentum, base_digest, t0)
-        self.store.publish("grad", round_, own_payload)
+        if own is not None:
+            self.store.publish("grad", round_, own_payload)
         deadline = self.cfg.round_deadline_s
         # A DC left out of the last round comes last, so that it still commits when every
         # candidate before it is gone.
@@ -382,7 +387,7 @@ class Exchange:
     def _metrics(self, t0: float, got: dict[str, GradPayload]) -> dict[str, float]:
         return {
             "diloco/round_s": time.monotonic() - t0,
-            "diloco/num_received": float(len(got) - 1),
+            "diloco/num_received": float(len(set(got) - {self.me})),
             **{f"diloco/rejected/{k}": float(v) for k, v in self.rejected.items()},
         }
 
