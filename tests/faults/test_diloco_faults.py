@@ -3,11 +3,13 @@
 - kill: the surviving DCs finish the round within the deadline and go on; the restarted DC
   downloads the agreed state, contributes again and ends with the others' weights, bit for bit;
 - hostile peer: tampered, unsigned, replayed, foreign-run and forged-commit payloads served by a
-  real origin are all rejected (never a member of a round), each counted under its reason.
+  real origin are all rejected (never a member of a round), each counted under its reason; so are
+  validly signed grads with a negative token count or NaN values, each downloaded once.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -259,3 +261,72 @@ def test_torchft_backend_survives_a_kill_and_heals_the_restarted_dc(tmp_path: Pa
         by_round["dc-0"][0]["members"] == 2 and by_round["dc-0"][0]["digest"] == by_round["dc-1"][0]["digest"]
     )
     assert any(by_round["dc-0"][r]["members"] == 1 for r in by_round["dc-0"]), "dc-0 never went on alone"
+
+
+@pytest.mark.timeout(120)
+def test_hostile_contributions_over_a_real_origin_are_fetched_once_and_leave_the_weights(
+    tmp_path: Path,
+) -> None:
+    """A key holder's validly signed grads (a negative token count, NaN with quantization "none")
+    served by a real origin: each round applies dc-b's contribution alone (theta - lr (1 + mu) g,
+    by hand), and each bad payload is downloaded once per round, with the fragment's size cap."""
+    honest_port, evil_port = free_port(), free_port()
+    secret = b"the-secret"
+    cfg = DilocoConfig(
+        cluster_id="dc-b",
+        port=honest_port,
+        peers=[{"cluster_id": "dc-a", "urls": [f"http://127.0.0.1:{evil_port}"]}],  # type: ignore[list-item]
+        secret_env=SECRET_ENV,
+        quantization="none",
+        round_deadline_s=1.0,
+        poll_interval_s=0.05,
+    )
+    theta, momentum = torch.linspace(-1, 1, 64), torch.zeros(64)
+    store = ShardcastStore(
+        tmp_path / "b",
+        "127.0.0.1",
+        honest_port,
+        {"dc-a": [f"http://127.0.0.1:{evil_port}"]},
+        secret.decode(),
+        cfg.keep_rounds,
+        cfg.poll_interval_s,
+    )
+    fetched: list[tuple[str, int, int | None]] = []
+    fetch = store.fetch
+
+    def counted(cluster, kind, round_, timeout_s, max_bytes=None):  # type: ignore[no-untyped-def]
+        fetched.append((kind, round_, max_bytes))
+        return fetch(cluster, kind, round_, timeout_s, max_bytes=max_bytes)
+
+    store.fetch = counted  # type: ignore[method-assign]
+    evil = Origin(tmp_path / "a", "127.0.0.1", evil_port, secret.decode(), keep_versions=30)
+    exchange = Exchange(cfg, store, secret, ["layout"])
+    evil_view = Exchange(cfg.model_copy(update={"cluster_id": "dc-a", "peers": []}), None, secret, ["layout"])
+    g = torch.full((64,), 0.25)
+    nan = torch.full((64,), math.nan)
+
+    def grad(view: Exchange, round_: int, values: torch.Tensor, **overrides: object) -> bytes:
+        fields, body = grad_body(quantize(values, "none", cfg.block_size), cfg.compression)
+        header = view.header("grad", round_, 0, num_tokens=100, base_digest=tensor_digest(theta), **fields)
+        return encode(header | overrides, body, secret)
+
+    cases = {
+        1: (grad(evil_view, 1, g, num_tokens=-99), "bad_tokens"),
+        2: (grad(evil_view, 2, nan), "non_finite"),
+    }
+    try:
+        for round_, (data, reason) in cases.items():
+            evil.publish("grad", round_, data)
+            result = exchange.run_round(
+                round_, 0, grad(exchange, round_, g), theta, momentum, ["dc-a", "dc-b"]
+            )
+            assert result.status == "applied" and result.members == ["dc-b"], (round_, reason)
+            # lr 0.7, momentum 0.9, Nesterov from zero momentum: theta - 0.7 * 1.9 * 0.25.
+            assert result.theta is not None
+            torch.testing.assert_close(result.theta, theta - 0.3325, rtol=0, atol=1e-6)
+            assert exchange.rejected[reason] == 1, (reason, dict(exchange.rejected))
+            grads = [f for f in fetched if f[:2] == ("grad", round_)]
+            assert len(grads) == 1 and grads[0][2] == exchange.max_bytes("grad", 64), grads
+    finally:
+        store.close()
+        evil.close()

@@ -72,6 +72,50 @@ class TorchftConfig(BaseConfig):
     """Port of this DC's own TCP store (the Manager's rendezvous inside the replica group)."""
 
 
+# --- contribution validation and aggregation -------------------------------------------------
+
+
+class ValidationConfig(BaseConfig):
+    """What a peer's pseudo-gradient must satisfy before it is averaged, and how the round's
+    contributions are combined (``[diloco.validation]``; the same in every DC: grad payloads carry
+    these settings and a DC rejects payloads made with other ones). See ``diloco/aggregate.py``."""
+
+    token_weighting: bool = False
+    """Weight each contribution by the tokens it trained on (capped, see ``token_weight_cap``)
+    instead of uniformly (torchft and the DiLoCo paper average uniformly). Either way a member
+    that trained on no token has weight 0."""
+
+    token_weight_cap: float = Field(default=2.0, ge=1, le=1000)
+    """With ``token_weighting``: a member's weight is at most this multiple of the median token
+    count of the round's members (so one DC cannot dominate the average by claiming tokens)."""
+
+    max_num_tokens: int = Field(default=10**12, ge=1, le=2**53)
+    """Largest ``num_tokens`` a payload may claim for one round; a payload claiming more (or a
+    negative or non-integer count) is rejected."""
+
+    norm_clip_ratio: float | None = Field(default=10.0, ge=1, le=1e6)
+    """A member whose pseudo-gradient's L2 norm exceeds this multiple of the median norm of the
+    round's other members is scaled down to that norm (None: no clipping)."""
+
+    aggregation: Literal["mean", "trimmed_mean"] = "mean"
+    """``mean``: the weighted average. ``trimmed_mean``: per coordinate, drop the
+    ``trim_fraction`` largest and smallest values of the members and average the rest uniformly
+    (robust to a minority of hostile DCs; needs at least 3 DCs to trim anything)."""
+
+    trim_fraction: float = Field(default=0.25, ge=0, lt=0.5)
+    """With ``trimmed_mean``: the fraction of members trimmed at each end,
+    ``floor(trim_fraction * members)`` values per coordinate."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.aggregation == "trimmed_mean" and self.token_weighting:
+            raise ValueError(
+                'diloco.validation.aggregation = "trimmed_mean" averages uniformly: set '
+                'diloco.validation.token_weighting = false or use aggregation = "mean"'
+            )
+        return self
+
+
 class DilocoConfig(BaseConfig):
     """The Streaming DiLoCo outer loop (off by default)."""
 
@@ -162,6 +206,9 @@ class DilocoConfig(BaseConfig):
 
     torchft: TorchftConfig = TorchftConfig()
     """Settings of the ``torchft`` backend."""
+
+    validation: ValidationConfig = ValidationConfig()
+    """How peers' contributions are validated and aggregated (``ValidationConfig``)."""
 
     # --- Each DC's own data ------------------------------------------------------------------
     data_seed: int | None = Field(default=None, ge=0, lt=2**63)

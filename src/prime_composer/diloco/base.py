@@ -82,8 +82,11 @@ class Store(Protocol):
         """The ``(kind, round)`` payloads peer ``cluster`` serves now; ``None`` if it does not answer."""
         ...
 
-    def fetch(self, cluster: str, kind: Kind, round_: int, timeout_s: float) -> bytes | None:
-        """Peer ``cluster``'s ``kind`` payload of ``round_``; ``None`` if it is not there (yet)."""
+    def fetch(
+        self, cluster: str, kind: Kind, round_: int, timeout_s: float, max_bytes: int | None = None
+    ) -> bytes | None:
+        """Peer ``cluster``'s ``kind`` payload of ``round_``; ``None`` if it is not there (yet), or
+        (where the store can tell before downloading it all) larger than ``max_bytes``."""
         ...
 
     def close(self) -> None:

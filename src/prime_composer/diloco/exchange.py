@@ -14,14 +14,24 @@ with different global weights. The agreement here is a per-round commit by a coo
    ``(j + 1) * round_deadline_s`` if no earlier candidate has (failover); a DC that is not a
    candidate (it was left out) comes after them all;
 3. every DC takes the first commit in candidate order, downloads any member payload it lacks,
-   averages the dequantized pseudo-gradients weighted by tokens *in the commit's order*, and takes
-   the outer step. Same inputs, same order, same float32 CPU operations: bit-identical results.
+   combines the dequantized pseudo-gradients *in the commit's order* (``aggregate.py``: uniform or
+   capped token weights, norm clipping, mean or trimmed mean), and takes the outer step. Same
+   inputs, same order, same float32 CPU operations: bit-identical results.
    The committer also publishes the fragment's new global weights and outer momentum (``state``),
    from which a restarted DC rebuilds the global model (``catch_up``).
 
 A DC whose global fragment differs from the commit's ``base_digest`` (it missed a round), or that
 cannot get a member's payload, reports ``diverged`` and catches up from the committers' states.
-Every payload is verified (``payload.decode``); rejected ones are counted by reason.
+
+What a peer sends is validated before it touches the global model: every download is capped at
+the largest size a valid payload of the fragment can have (``payload.max_payload_bytes``, passed
+to ``Store.fetch`` and checked again by ``decode``); every payload is verified (signature, run,
+sender, round, fragment, layout, settings); a grad's values must be finite after dequantization
+and its token count an integer in bounds (``payload.parse_grad``); a commit must name distinct DCs
+of the run (``payload.check_commit``). A rejected payload is fetched once and counted once per
+round and sender: its sender is out of that round (``_rejected``). The committed members are then
+combined by ``aggregate.py`` (weights, norm clipping, mean or trimmed mean), and an outer step
+whose result is not finite is skipped (every DC skips it alike).
 """
 
 from __future__ import annotations
@@ -36,24 +46,28 @@ from typing import Any
 import torch
 
 from prime_composer.config.diloco import DilocoConfig
+from prime_composer.diloco.aggregate import aggregate
 from prime_composer.diloco.base import Store
-from prime_composer.diloco.outer_optim import outer_step, weighted_average
+from prime_composer.diloco.outer_optim import outer_step
 from prime_composer.diloco.payload import (
     GradPayload,
     Kind,
     PayloadError,
+    check_commit,
     decode,
     encode,
+    max_payload_bytes,
     parse_grad,
     parse_state,
     state_body,
     tensor_digest,
 )
-from prime_composer.diloco.quantize import dequantize
 
 logger = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_S = 2.0
+_MAX_FETCH_ATTEMPTS = 3
+"""Downloads of one listed grad that may fail (``None``) in a round before its sender is left out."""
 
 
 @dataclass
@@ -85,10 +99,14 @@ class Exchange:
         self.peers = [c for c in cfg.cluster_ids if c != self.me]
         self.layouts = layouts
         self.rejected: Counter[str] = Counter()
+        self._rejected: dict[tuple[int, str, str], str] = {}
+        """``(round, cluster, kind)`` -> SHA-256 of the payload rejected (fetched once a round)."""
+        self._attempts: Counter[tuple[int, str]] = Counter()
 
     # --------------------------------------------------------------------------------- payloads
 
     def header(self, kind: Kind, round_: int, fragment: int, **fields: Any) -> dict[str, Any]:
+        extra = {"validation": self.cfg.validation.model_dump()} if kind == "grad" else {}
         return {
             "run_id": self.cfg.run_id,
             "cluster": self.me,
@@ -96,11 +114,24 @@ class Exchange:
             "round": round_,
             "fragment": fragment,
             "layout": self.layouts[fragment],
+            **extra,
             **fields,
         }
 
+    def max_bytes(self, kind: Kind, numel: int) -> int:
+        """The download cap of a ``kind`` payload of a fragment of ``numel`` values."""
+        cfg = self.cfg
+        return max_payload_bytes(kind, numel, cfg.quantization, cfg.block_size, cfg.compression)
+
+    def _reject(self, reason: str, data: bytes, cluster: str, kind: Kind, round_: int, why: object) -> None:
+        key = (round_, cluster, kind)
+        if key not in self._rejected:  # counted once a round and sender
+            self.rejected[reason] += 1
+        self._rejected[key] = hashlib.sha256(data).hexdigest()
+        logger.warning("diloco: rejected %s of round %d from %s: %s", kind, round_, cluster, why)
+
     def _verified(
-        self, data: bytes, cluster: str, kind: Kind, round_: int, fragment: int
+        self, data: bytes, cluster: str, kind: Kind, round_: int, fragment: int, numel: int | None = None
     ) -> tuple[dict[str, Any], bytes] | None:
         expect = {
             "run_id": self.cfg.run_id,
@@ -111,24 +142,35 @@ class Exchange:
             "layout": self.layouts[fragment],
         }
         if kind == "grad":
-            expect |= {"quantization": self.cfg.quantization, "block_size": self.cfg.block_size}
+            expect |= {
+                "quantization": self.cfg.quantization,
+                "block_size": self.cfg.block_size,
+                "validation": self.cfg.validation.model_dump(),
+            }
+            if numel is not None:
+                expect["numel"] = numel
+        max_bytes = None if numel is None else self.max_bytes(kind, numel)
         try:
-            return decode(data, self.secret, expect)
+            header, body = decode(data, self.secret, expect, max_bytes)
+            if kind == "commit":
+                check_commit(header, self.cfg.cluster_ids)
+            return header, body
         except PayloadError as e:
-            self.rejected[e.reason] += 1
-            logger.warning("diloco: rejected %s of round %d from %s: %s", kind, round_, cluster, e)
+            self._reject(e.reason, data, cluster, kind, round_, e)
             return None
 
-    def _grad(self, data: bytes, cluster: str, round_: int, fragment: int) -> GradPayload | None:
-        verified = self._verified(data, cluster, "grad", round_, fragment)
+    def _grad(self, data: bytes, cluster: str, round_: int, fragment: int, numel: int) -> GradPayload | None:
+        verified = self._verified(data, cluster, "grad", round_, fragment, numel)
         if verified is None:
             return None
+        digest = hashlib.sha256(data).hexdigest()
         try:
-            return parse_grad(*verified, digest=hashlib.sha256(data).hexdigest())
-        except (PayloadError, KeyError, ValueError, TypeError) as e:
-            self.rejected["malformed"] += 1
-            logger.warning("diloco: rejected grad of round %d from %s: %s", round_, cluster, e)
-            return None
+            return parse_grad(*verified, digest=digest, max_num_tokens=self.cfg.validation.max_num_tokens)
+        except PayloadError as e:
+            self._reject(e.reason, data, cluster, "grad", round_, e)
+        except (KeyError, ValueError, TypeError) as e:
+            self._reject("malformed", data, cluster, "grad", round_, e)
+        return None
 
     # ------------------------------------------------------------------------------------ round
 
@@ -145,13 +187,21 @@ class Exchange:
         and its momentum (neither is modified); see the module docstring."""
         t0 = time.monotonic()
         base_digest = tensor_digest(theta)
-        own = self._grad(own_payload, self.me, round_, fragment)
-        assert own is not None, "own payload must verify"
-        got: dict[str, GradPayload] = {self.me: own}
+        for old in [k for k in self._rejected if k[0] < round_ - self.cfg.keep_rounds]:
+            del self._rejected[old]
+        for gone in [k for k in self._attempts if k[0] < round_]:
+            del self._attempts[gone]
+        own = self._grad(own_payload, self.me, round_, fragment, theta.numel())
+        got: dict[str, GradPayload] = {}
+        if own is not None:
+            got[self.me] = own
+        else:  # peers would reject it too: take part in the round without a contribution
+            logger.error("diloco: this DC's own payload of round %d fails validation: not sent", round_)
         if self.store is None:
             alone = self._commit_header(round_, fragment, got, base_digest, candidates)
             return self._finish(round_, fragment, alone, got, theta, momentum, base_digest, t0)
-        self.store.publish("grad", round_, own_payload)
+        if own is not None:
+            self.store.publish("grad", round_, own_payload)
         deadline = self.cfg.round_deadline_s
         # A DC left out of the last round comes last, so that it still commits when every
         # candidate before it is gone.
@@ -161,11 +211,11 @@ class Exchange:
         commit: dict[str, Any] | None = None
         while commit is None:
             elapsed = time.monotonic() - t0
-            alive = self._poll_grads(round_, fragment, got)
-            commit = self._find_commit(round_, fragment, watch)
+            alive = self._poll_grads(round_, fragment, got, theta.numel())
+            commit = self._find_commit(round_, fragment, watch, theta.numel())
             if commit is not None:
                 break
-            waiting_for = [c for c in alive if c not in got]
+            waiting_for = [c for c in alive if c not in got and not self._left_out(round_, c)]
             if (my_index == 0 and not waiting_for) or elapsed >= (my_index + 1) * deadline:
                 commit = self._commit_header(round_, fragment, got, base_digest, candidates)
                 self.store.publish("commit", round_, encode(commit, b"", self.secret))
@@ -176,7 +226,13 @@ class Exchange:
             time.sleep(self.cfg.poll_interval_s)
         return self._finish(round_, fragment, commit, got, theta, momentum, base_digest, t0)
 
-    def _poll_grads(self, round_: int, fragment: int, got: dict[str, GradPayload]) -> list[str]:
+    def _left_out(self, round_: int, cluster: str) -> bool:
+        """``cluster``'s grad of ``round_`` was rejected, or failed to download too often."""
+        return (round_, cluster, "grad") in self._rejected or self._attempts[
+            (round_, cluster)
+        ] >= _MAX_FETCH_ATTEMPTS
+
+    def _poll_grads(self, round_: int, fragment: int, got: dict[str, GradPayload], numel: int) -> list[str]:
         """One pass over the peers: fetch the grads newly published; returns the peers that answer."""
         assert self.store is not None
         alive = []
@@ -184,24 +240,38 @@ class Exchange:
             if cluster in got:
                 alive.append(cluster)
                 continue
+            if self._left_out(round_, cluster):
+                continue
             listed = self.store.available(cluster, _PROBE_TIMEOUT_S)
             if listed is None:
                 continue
             alive.append(cluster)
             if ("grad", round_) in listed:
-                data = self.store.fetch(cluster, "grad", round_, self.cfg.round_deadline_s)
-                if data is not None and (grad := self._grad(data, cluster, round_, fragment)) is not None:
+                data = self.store.fetch(
+                    cluster,
+                    "grad",
+                    round_,
+                    self.cfg.round_deadline_s,
+                    max_bytes=self.max_bytes("grad", numel),
+                )
+                if data is None:
+                    self._attempts[(round_, cluster)] += 1
+                elif (grad := self._grad(data, cluster, round_, fragment, numel)) is not None:
                     got[cluster] = grad
         return alive
 
-    def _find_commit(self, round_: int, fragment: int, watch: list[str]) -> dict[str, Any] | None:
-        """The commit of the first candidate in ``watch`` that has published one."""
+    def _find_commit(self, round_: int, fragment: int, watch: list[str], numel: int) -> dict[str, Any] | None:
+        """The commit of the first candidate in ``watch`` that has published a valid one."""
         assert self.store is not None
         for cluster in watch:
-            data = self.store.fetch(cluster, "commit", round_, _PROBE_TIMEOUT_S)
+            if (round_, cluster, "commit") in self._rejected:
+                continue
+            data = self.store.fetch(
+                cluster, "commit", round_, _PROBE_TIMEOUT_S, max_bytes=self.max_bytes("commit", numel)
+            )
             if data is None:
                 continue
-            verified = self._verified(data, cluster, "commit", round_, fragment)
+            verified = self._verified(data, cluster, "commit", round_, fragment, numel)
             if verified is not None:
                 return verified[0]
         return None
@@ -251,25 +321,42 @@ class Exchange:
         if commit["base_digest"] != base_digest:
             logger.warning("diloco: round %d was committed from other global weights than ours", round_)
             return RoundResult(round_, fragment, "diverged", metrics=self._metrics(t0, got))
-        contributions: list[tuple[float, torch.Tensor]] = []
-        for cluster, digest, num_tokens in commit["members"]:
+        members_grads: list[GradPayload] = []
+        for cluster, digest, _ in commit["members"]:
             grad = got.get(cluster)
             if grad is None or grad.digest != digest:
-                grad = self._fetch_member(round_, fragment, cluster, digest)
+                grad = self._fetch_member(round_, fragment, cluster, digest, theta.numel())
             if grad is None:
-                logger.warning("diloco: cannot get %s's payload of round %d", cluster, round_)
+                logger.warning("diloco: cannot get a valid %s payload of round %d", cluster, round_)
                 return RoundResult(round_, fragment, "diverged", metrics=self._metrics(t0, got))
-            contributions.append((float(num_tokens), dequantize(grad.quantized)))
+            members_grads.append(grad)
         new_theta, new_momentum = theta.clone(), momentum.clone()
-        if contributions:
-            outer_step(new_theta, new_momentum, weighted_average(contributions), self.cfg.outer)
+        extra: dict[str, float] = {}
+        if members_grads:
+            # The token counts are the payloads' own (the commit names their digests).
+            combined = aggregate(
+                [g.num_tokens for g in members_grads], [g.values for g in members_grads], self.cfg.validation
+            )
+            extra["diloco/num_clipped"] = float(len(combined.clipped))
+            for i in combined.clipped:
+                logger.warning(
+                    "diloco: %s's pseudo-gradient of round %d (norm %.3g) is clipped by the norm rule",
+                    members_grads[i].cluster,
+                    round_,
+                    combined.norms[i],
+                )
+            outer_step(new_theta, new_momentum, combined.grad, self.cfg.outer)
+            if not (bool(torch.isfinite(new_theta).all()) and bool(torch.isfinite(new_momentum).all())):
+                logger.warning("diloco: the outer step of round %d is not finite: skipped", round_)
+                new_theta, new_momentum = theta.clone(), momentum.clone()
+                extra["diloco/skipped_non_finite"] = 1.0
         if committer == self.me and self.store is not None:
             header = self.header("state", round_, fragment, digest=tensor_digest(new_theta))
             self.store.publish(
                 "state", round_, encode(header, state_body(new_theta, new_momentum), self.secret)
             )
         members = [str(m[0]) for m in commit["members"]]
-        metrics = self._metrics(t0, got) | {"diloco/num_members": float(len(members))}
+        metrics = self._metrics(t0, got) | {"diloco/num_members": float(len(members))} | extra
         return RoundResult(
             round_,
             fragment,
@@ -282,21 +369,25 @@ class Exchange:
             metrics=metrics,
         )
 
-    def _fetch_member(self, round_: int, fragment: int, cluster: str, digest: str) -> GradPayload | None:
-        if self.store is None:
-            return None
+    def _fetch_member(
+        self, round_: int, fragment: int, cluster: str, digest: str, numel: int
+    ) -> GradPayload | None:
+        if self.store is None or self._rejected.get((round_, cluster, "grad")) == digest:
+            return None  # a payload this DC rejected: the commit cannot be applied here
         until = time.monotonic() + self.cfg.round_deadline_s
         while time.monotonic() < until:
-            data = self.store.fetch(cluster, "grad", round_, self.cfg.round_deadline_s)
+            data = self.store.fetch(
+                cluster, "grad", round_, self.cfg.round_deadline_s, max_bytes=self.max_bytes("grad", numel)
+            )
             if data is not None and hashlib.sha256(data).hexdigest() == digest:
-                return self._grad(data, cluster, round_, fragment)
+                return self._grad(data, cluster, round_, fragment, numel)
             time.sleep(self.cfg.poll_interval_s)
         return None
 
     def _metrics(self, t0: float, got: dict[str, GradPayload]) -> dict[str, float]:
         return {
             "diloco/round_s": time.monotonic() - t0,
-            "diloco/num_received": float(len(got) - 1),
+            "diloco/num_received": float(len(set(got) - {self.me})),
             **{f"diloco/rejected/{k}": float(v) for k, v in self.rejected.items()},
         }
 
@@ -333,16 +424,24 @@ class Exchange:
         """``(commit, theta, momentum)`` after round ``round_``, from its committer."""
         assert self.store is not None
         for cluster in self.peers:
-            data = self.store.fetch(cluster, "commit", round_, self.cfg.round_deadline_s)
+            data = self.store.fetch(
+                cluster,
+                "commit",
+                round_,
+                self.cfg.round_deadline_s,
+                max_bytes=self.max_bytes("commit", numel),
+            )
             if data is None:
                 continue
-            verified = self._verified(data, cluster, "commit", round_, fragment)
+            verified = self._verified(data, cluster, "commit", round_, fragment, numel)
             if verified is None:
                 continue
-            state = self.store.fetch(cluster, "state", round_, self.cfg.round_deadline_s)
+            state = self.store.fetch(
+                cluster, "state", round_, self.cfg.round_deadline_s, max_bytes=self.max_bytes("state", numel)
+            )
             if state is None:
                 return None
-            checked = self._verified(state, cluster, "state", round_, fragment)
+            checked = self._verified(state, cluster, "state", round_, fragment, numel)
             if checked is None:
                 return None
             header, body = checked

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -29,12 +30,15 @@ from typing import Any, Literal
 
 import torch
 
-from prime_composer.diloco.quantize import Quantized, expected_sizes
+from prime_composer.config.diloco import Quantization
+from prime_composer.diloco.quantize import Quantized, dequantize, expected_sizes
 
 MAGIC = b"PCDILOCO1\n"
 TAG_BYTES = 32
 _UNSIGNED = bytes(TAG_BYTES)
-MAX_HEADER_BYTES = 1 << 20
+MAX_HEADER_BYTES = 64 << 10
+"""Largest header any payload may have (a commit of 200 DCs is ~50 KB)."""
+_PREFIX = len(MAGIC) + 8
 
 Kind = Literal["grad", "commit", "state"]
 
@@ -56,17 +60,48 @@ def encode(header: dict[str, Any], body: bytes, secret: bytes | None) -> bytes:
     return framed + tag
 
 
-def decode(data: bytes, secret: bytes | None, expect: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+def max_payload_bytes(
+    kind: Kind,
+    numel: int,
+    quantization: Quantization = "none",
+    block_size: int = 2,
+    compression: str = "none",
+) -> int:
+    """The most bytes a valid ``kind`` payload of a fragment of ``numel`` values can have: the
+    frame, a header of at most ``MAX_HEADER_BYTES`` and the body (``grad``: the quantized codes and
+    scales, plus zlib's worst-case growth when compressed; ``state``: two float32 vectors;
+    ``commit``: none). Downloads are capped at it and ``decode`` rejects anything larger."""
+    if kind == "grad":
+        num_code_bytes, num_scales = expected_sizes(quantization, numel, block_size)
+        body = num_code_bytes + 4 * num_scales
+        if compression == "zlib":  # zlib's compressBound()
+            body += (body >> 12) + (body >> 14) + (body >> 25) + 13
+    else:
+        body = 8 * numel if kind == "state" else 0
+    return _PREFIX + MAX_HEADER_BYTES + body + TAG_BYTES
+
+
+def decode(
+    data: bytes, secret: bytes | None, expect: dict[str, Any], max_bytes: int | None = None
+) -> tuple[dict[str, Any], bytes]:
     """``(header, body)`` of a payload that passes every check, else ``PayloadError``.
 
     ``expect`` holds header fields that must have exactly these values (run id, sender, kind,
-    round, fragment, ...). Without a secret (a single-DC run) the tag is not checked.
+    round, fragment, ...). Without a secret (a single-DC run) the tag is not checked. A payload
+    over ``max_bytes`` (``max_payload_bytes``) or with a header over ``MAX_HEADER_BYTES`` is
+    rejected as ``oversize`` before anything else is read.
     """
-    prefix = len(MAGIC) + 8
+    prefix = _PREFIX
+    if max_bytes is not None and len(data) > max_bytes:
+        raise PayloadError(
+            "oversize", f"{len(data)} bytes, more than the {max_bytes} such a payload can have"
+        )
     if len(data) < prefix + TAG_BYTES or not data.startswith(MAGIC):
         raise PayloadError("malformed", f"not a DiLoCo payload ({len(data)} bytes)")
     (header_len,) = struct.unpack(">Q", data[len(MAGIC) : prefix])
-    if header_len > MAX_HEADER_BYTES or prefix + header_len + TAG_BYTES > len(data):
+    if header_len > MAX_HEADER_BYTES:
+        raise PayloadError("oversize", f"header of {header_len} bytes, more than {MAX_HEADER_BYTES}")
+    if prefix + header_len + TAG_BYTES > len(data):
         raise PayloadError("malformed", f"header length {header_len} does not fit the payload")
     framed, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
     if secret:
@@ -114,28 +149,76 @@ class GradPayload:
     quantized: Quantized
     digest: str
     """SHA-256 of the whole payload (what a commit names)."""
+    values: torch.Tensor
+    """The dequantized pseudo-gradient (float32, every value finite)."""
 
 
-def parse_grad(header: dict[str, Any], body: bytes, digest: str) -> GradPayload:
-    """The quantized pseudo-gradient in a verified ``grad`` payload (sizes checked)."""
+def parse_grad(header: dict[str, Any], body: bytes, digest: str, max_num_tokens: int = 2**53) -> GradPayload:
+    """The pseudo-gradient in a verified ``grad`` payload, if it is fit to be averaged.
+
+    Rejected (``PayloadError``): a ``num_tokens`` that is not an integer in
+    ``[0, max_num_tokens]`` (``bad_tokens``); a body that does not decompress to exactly the size
+    of ``numel`` values (``malformed``, decompressed no further than that size); negative or
+    non-finite scales, or codes outside ``[-L, L]`` (``malformed``); any non-finite value after
+    dequantization, whatever the quantization (``non_finite``).
+    """
     kind, numel, block = header["quantization"], int(header["numel"]), int(header["block_size"])
+    num_tokens = header.get("num_tokens")
+    if type(num_tokens) is not int or not 0 <= num_tokens <= max_num_tokens:
+        raise PayloadError(
+            "bad_tokens", f"num_tokens = {num_tokens!r}: an integer in [0, {max_num_tokens}] is needed"
+        )
+    num_code_bytes, num_scales = expected_sizes(kind, numel, block)
+    size = num_code_bytes + 4 * num_scales
     if header.get("compression") == "zlib":
+        inflate = zlib.decompressobj()
         try:
-            body = zlib.decompress(body)
+            raw = inflate.decompress(body, size + 1)
         except zlib.error:
             raise PayloadError("malformed", "body does not decompress") from None
-    num_code_bytes, num_scales = expected_sizes(kind, numel, block)
-    if len(body) != num_code_bytes + 4 * num_scales:
-        raise PayloadError("malformed", f"body holds {len(body)} bytes, {kind} x {numel} needs more/less")
+        if len(raw) > size or inflate.unconsumed_tail or not inflate.eof:
+            raise PayloadError(
+                "malformed", f"body does not decompress to the {size} bytes of {kind} x {numel}"
+            )
+        body = raw
+    if len(body) != size:
+        raise PayloadError("malformed", f"body holds {len(body)} bytes, {kind} x {numel} needs {size}")
     codes = torch.frombuffer(bytearray(body[:num_code_bytes]), dtype=torch.uint8)
     if num_scales == 0:
         scales = torch.empty(0, dtype=torch.float32)
     else:
         scales = torch.frombuffer(bytearray(body[num_code_bytes:]), dtype=torch.float32)
-    if not bool(torch.isfinite(scales).all()):
-        raise PayloadError("malformed", "non-finite quantization scale")
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise PayloadError("malformed", "negative or non-finite quantization scale")
+    # Code 0 stands for -128 (int8) or -8 (int4): one level past what quantize() writes.
+    if kind == "int8" and bool((codes == 0).any()):
+        raise PayloadError("malformed", "int8 code outside [-127, 127]")
+    if kind == "int4" and bool(((codes & 0x0F) == 0).any() or ((codes >> 4) == 0).any()):
+        raise PayloadError("malformed", "int4 code outside [-7, 7]")
     q = Quantized(kind, numel, block, codes, scales)
-    return GradPayload(header["cluster"], int(header["num_tokens"]), header["base_digest"], q, digest)
+    values = dequantize(q)
+    if not bool(torch.isfinite(values).all()):
+        raise PayloadError("non_finite", "the pseudo-gradient holds NaN or infinite values")
+    return GradPayload(header["cluster"], num_tokens, header["base_digest"], q, digest, values)
+
+
+COMMIT_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_commit(header: dict[str, Any], cluster_ids: list[str]) -> None:
+    """A verified ``commit`` header is well formed: ``members`` lists distinct DCs of the run as
+    ``[cluster, sha256, num_tokens]``, ``next_candidates`` DCs of the run; else ``malformed``."""
+    members, candidates = header.get("members"), header.get("next_candidates")
+    ok = isinstance(header.get("base_digest"), str) and isinstance(members, list)
+    ok = ok and isinstance(candidates, list) and all(c in cluster_ids for c in candidates)
+    if ok:
+        assert isinstance(members, list)
+        for m in members:
+            ok = ok and isinstance(m, list) and len(m) == 3 and m[0] in cluster_ids
+            ok = ok and isinstance(m[1], str) and bool(COMMIT_DIGEST.match(m[1])) and type(m[2]) is int
+        ok = ok and len({m[0] for m in members}) == len(members)
+    if not ok:
+        raise PayloadError("malformed", "commit members or candidates are not DCs of this run")
 
 
 def tensor_digest(x: torch.Tensor) -> str:

@@ -287,7 +287,9 @@ class ShardcastStore:
                     out.add((kind, r))
         return out
 
-    def fetch(self, cluster: str, kind: Kind, round_: int, timeout_s: float) -> bytes | None:
+    def fetch(
+        self, cluster: str, kind: Kind, round_: int, timeout_s: float, max_bytes: int | None = None
+    ) -> bytes | None:
         """The peer's payload of (``kind``, ``round_``) if it is published and downloads (blake3
         checked) within ``timeout_s``; None otherwise (not there yet, peer down, too slow)."""
         version = version_of(kind, round_)
