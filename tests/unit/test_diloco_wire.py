@@ -376,3 +376,31 @@ def test_torchft_off_loopback_needs_the_private_network_flag() -> None:
         DilocoConfig(backend="torchft", quantization="none", host="10.0.0.4", secret_env="S")
     assert DilocoConfig(backend="torchft", quantization="none", torchft=remote, private_network=True)
     assert DilocoConfig(backend="torchft", quantization="none")  # loopback
+
+
+# ------------------------------------------------------------------------- torchft bind check
+
+
+def test_the_bind_check_refuses_a_listener_on_every_interface() -> None:
+    from prime_composer.diloco.torchft_bind import check_bound, listening_sockets, store_socket
+
+    before = listening_sockets()
+    own = store_socket("127.0.0.1", 0)
+    try:
+        port = own.getsockname()[1]
+        assert ("127.0.0.1", port) in {(a, p) for a, p, _ in listening_sockets()}
+        check_bound("127.0.0.1", before)  # loopback only: fine
+        wildcard = socket.create_server(("0.0.0.0", 0))
+        try:
+            with pytest.raises(RuntimeError, match=r"listens on 0\.0\.0\.0:\d+, not only on"):
+                check_bound("127.0.0.1", before)
+        finally:
+            wildcard.close()
+        six = socket.create_server(("::", 0), family=socket.AF_INET6)
+        try:
+            with pytest.raises(RuntimeError, match="listens on ::"):
+                check_bound("127.0.0.1", before)
+        finally:
+            six.close()
+    finally:
+        own.close()
