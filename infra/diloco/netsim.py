@@ -10,6 +10,10 @@ Latency: ``DelayProxy`` is a TCP relay that holds every chunk for ``delay_ms`` b
 on (a delay line: throughput is unchanged). Start one per peer inside the downloading DC's
 namespace and point that peer's URL at it.
 
+Capture: ``capture(i, path, max_bytes)`` records every frame on DC ``i``'s veth (switch side,
+an ``AF_PACKET`` socket in the switch namespace) into ``path``, up to ``max_bytes``: everything a
+third party on the path between the DCs could see.
+
 Needs root (``ip netns``, ``tc``). Use::
 
     with NetSim(num_dcs=2, rate_mbit=20) as net:
@@ -107,6 +111,30 @@ class NetSim:
             _run("ip", "-n", sw, "link", "set", f"pcdl{self.tag}s{i}", "up")
             _run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", *shape)
             _run("tc", "-n", sw, "qdisc", "add", "dev", f"pcdl{self.tag}s{i}", *shape)
+
+    def capture(self, i: int, path: str, max_bytes: int = 64 << 20) -> subprocess.Popen[bytes]:
+        """Start recording every frame on DC ``i``'s link into ``path`` (raw bytes, up to
+        ``max_bytes``); stop it with ``terminate()``. Returns once the socket is bound."""
+        import sys
+
+        ready = f"{path}.ready"
+        script = (
+            "import socket,sys\n"
+            "s=socket.socket(socket.AF_PACKET,socket.SOCK_RAW,socket.htons(3))\n"
+            f"s.bind(({f'pcdl{self.tag}s{i}'!r},0))\n"
+            f"open({ready!r},'w').close()\n"
+            f"out=open({path!r},'wb',buffering=0);n=0\n"
+            f"while n<{max_bytes}:\n"
+            "    d=s.recv(65536);out.write(d);n+=len(d)\n"
+        )
+        proc = subprocess.Popen(["ip", "netns", "exec", self.switch, sys.executable, "-c", script])
+        deadline = time.monotonic() + 30
+        while not os.path.exists(ready):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("the capture did not start")
+            time.sleep(0.05)
+        return proc
 
     def close(self) -> None:
         for ns in [*(self.namespace(i) for i in range(self.num_dcs)), self.switch]:

@@ -124,23 +124,29 @@ def test_sharded_dcs_agree_and_match_dcs_of_one_rank(tmp_path: Path) -> None:
     assert torch.equal(theta[split:], local[split:])
 
 
-def test_origin_requires_the_secret_except_on_health(tmp_path: Path) -> None:
+def test_origin_requires_a_signed_request_except_on_health(tmp_path: Path) -> None:
     import httpx
 
+    from prime_composer.diloco.auth import AUTH_HEADER, sign_request, transport_key
     from prime_composer.diloco.shardcast_store import Origin
 
-    origin = Origin(tmp_path, "127.0.0.1", 0, secret="s3", keep_versions=4)
+    origin = Origin(tmp_path, "127.0.0.1", 0, secret="s3", keep_versions=4, audience="dc-a")
     origin.publish("grad", 0, b"payload")
     base = f"http://127.0.0.1:{origin.port}"
+
+    def signed(path: str) -> dict[str, str]:
+        return {AUTH_HEADER: sign_request(transport_key(b"s3"), "GET", path, b"", "dc-a")}
+
     try:
         assert httpx.get(f"{base}/health").status_code == 200
         assert httpx.get(f"{base}/distribution.txt").status_code == 401
+        # The secret itself is not a credential: nothing reusable is accepted.
         assert (
-            httpx.get(f"{base}/distribution.txt", headers={"Authorization": "Bearer nope"}).status_code == 401
+            httpx.get(f"{base}/distribution.txt", headers={"Authorization": "Bearer s3"}).status_code == 401
         )
-        ok = httpx.get(f"{base}/v1/shard_00001.bin", headers={"Authorization": "Bearer s3"})
+        ok = httpx.get(f"{base}/v1/shard_00001.bin", headers=signed("/v1/shard_00001.bin"))
         assert ok.status_code == 200 and ok.content == b"payload"
-        assert httpx.get(f"{base}/v1/", headers={"Authorization": "Bearer s3"}).status_code == 404
+        assert httpx.get(f"{base}/v1/", headers=signed("/v1/")).status_code == 404
     finally:
         origin.close()
 

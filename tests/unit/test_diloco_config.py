@@ -41,6 +41,7 @@ def test_a_valid_multi_dc_config_orders_clusters() -> None:
         cluster_id="dc-eu",
         peers=[PEER],
         secret_env="S",
+        private_network=True,  # plain http:// to 10.0.0.2
         sync_every=40,
         num_fragments=4,
         fragment_sync_delay=9,

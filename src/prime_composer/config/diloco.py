@@ -20,8 +20,9 @@ import hashlib
 import re
 from pathlib import Path
 from typing import Literal, Self
+from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_composer.config.base import BaseConfig
 from prime_composer.netaddr import is_loopback
@@ -46,6 +47,21 @@ class OuterOptimConfig(BaseConfig):
     """Nesterov momentum (``d = g + momentum * buf``) instead of heavy-ball (``d = buf``)."""
 
 
+_FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
+
+
+def normalize_fingerprint(value: str) -> str:
+    """``sha256:<64 lowercase hex>`` from that form, bare hex, or openssl's ``AB:CD:...``;
+    ``ValueError`` otherwise."""
+    raw = value.strip().lower().removeprefix("sha256:").removeprefix("sha256 fingerprint=").replace(":", "")
+    if not _FINGERPRINT.match(raw):
+        raise ValueError(
+            f"{value!r} is not a SHA-256 certificate fingerprint: expected 'sha256:' and 64 hex digits "
+            "(printed by `python -m prime_composer.diloco.tls --out DIR`)"
+        )
+    return f"sha256:{raw}"
+
+
 class PeerConfig(BaseConfig):
     """Another DC of the run, as this DC reaches it."""
 
@@ -53,9 +69,20 @@ class PeerConfig(BaseConfig):
     """The peer's ``diloco.cluster_id`` (payloads name their sender; the id must match)."""
 
     urls: list[str] = Field(min_length=1)
-    """Where to download the peer's payloads: its origin (``http://host:port``) first, then any
-    shardcast relays that mirror it. The shardcast client spreads downloads over them by measured
-    speed and success rate."""
+    """Where to download the peer's payloads: its origin (``https://host:port``, or ``http://`` on
+    loopback or a private network) first, then any shardcast relays that mirror it. The shardcast
+    client spreads downloads over them by measured speed and success rate."""
+
+    # --- transport security (diloco/tls.py) ---
+    fingerprint: str | None = None
+    """SHA-256 fingerprint of the certificate the peer's origin serves (``sha256:<64 hex>``,
+    printed by ``python -m prime_composer.diloco.tls --out DIR`` on the peer). Required for
+    ``https://`` URLs: any other certificate is refused, whoever signed it."""
+
+    @field_validator("fingerprint")
+    @classmethod
+    def _fingerprint(cls, value: str | None) -> str | None:
+        return None if value is None else normalize_fingerprint(value)
 
 
 class TorchftConfig(BaseConfig):
@@ -195,7 +222,8 @@ class DilocoConfig(BaseConfig):
     secret_env: str | None = None
     """Name of the environment variable holding the run's shared secret. Every payload is
     HMAC-SHA256 signed with it and unsigned or badly signed payloads are rejected; the origin
-    requires it (bearer token) on every path but ``/health``. Required with peers."""
+    requires requests signed with a key derived from it (the secret itself never crosses the wire)
+    on every path but ``/health``. Required with peers."""
 
     keep_rounds: int = Field(default=8, ge=2)
     """Rounds of payloads each origin keeps, so a restarted DC can replay the rounds since the
@@ -224,6 +252,24 @@ class DilocoConfig(BaseConfig):
             return self.data_seed
         offset = int.from_bytes(hashlib.sha256(self.cluster_id.encode()).digest()[:8], "big")
         return (seed + offset) % 2**63
+    # --- transport security (diloco/auth.py, diloco/tls.py, diloco/shardcast_store.py) ---
+    tls_cert: Path | None = None
+    """PEM certificate this DC's origin serves HTTPS with (with ``tls_key``); generate both with
+    ``python -m prime_composer.diloco.tls --out DIR`` and give peers the fingerprint it prints."""
+
+    tls_key: Path | None = None
+    """PEM private key of ``tls_cert``."""
+
+    private_network: bool = False
+    """The links between the DCs are already private (a VPN, a private interconnect): plain
+    ``http://`` between DCs and the ``torchft`` backend off loopback are allowed. Without it, a
+    config whose origin binds a non-loopback address without ``tls_cert``, lists a non-loopback
+    ``http://`` peer URL, or runs ``torchft`` off loopback is refused. Requests are signed either way."""
+
+    auth_window_s: float = Field(default=120.0, gt=0, le=3600)
+    """Replay window of signed requests: one whose timestamp is further than this from the
+    receiver's clock is refused, and nonces are remembered for twice as long. Keep DC clocks in
+    sync (NTP) to well within it."""
 
     @property
     def steps_per_fragment(self) -> int:
@@ -292,4 +338,48 @@ class DilocoConfig(BaseConfig):
                 )
             if self.error_feedback:
                 raise ValueError('diloco.error_feedback needs quantization, which backend = "torchft" lacks')
+        return self
+
+    @model_validator(mode="after")
+    def _check_transport(self) -> Self:
+        # Runs after _check (pydantic keeps the order of definition): transport rules last.
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(
+                "diloco.tls_cert and diloco.tls_key go together: set both (from `python -m "
+                "prime_composer.diloco.tls --out DIR`) or neither"
+            )
+        for i, peer in enumerate(self.peers):
+            where = f"diloco.peers[{i}] ({peer.cluster_id})"
+            for url in peer.urls:
+                parts = urlsplit(url)
+                if parts.scheme not in ("http", "https") or not parts.hostname:
+                    raise ValueError(f"{where}.urls: {url!r} is not an http:// or https:// URL with a host")
+                if parts.scheme == "https" and peer.fingerprint is None:
+                    raise ValueError(
+                        f"{where}.urls: {url!r} is https but {where}.fingerprint is not set: pin the "
+                        "peer's certificate (`python -m prime_composer.diloco.tls` prints it)"
+                    )
+                if parts.scheme == "http" and not is_loopback(parts.hostname) and not self.private_network:
+                    raise ValueError(
+                        f"{where}.urls: {url!r} is plain HTTP to another machine: use https:// with "
+                        f"{where}.fingerprint (the peer serves diloco.tls_cert), or set "
+                        "diloco.private_network = true if the link is already private (VPN)"
+                    )
+        plain = self.tls_cert is None and not self.private_network
+        if self.backend == "shardcast" and not is_loopback(self.host) and plain:
+            raise ValueError(
+                f"diloco.host = {self.host!r} serves other machines over plain HTTP: set "
+                "diloco.tls_cert / diloco.tls_key (`python -m prime_composer.diloco.tls --out DIR`), "
+                "or diloco.private_network = true if the link is already private (VPN)"
+            )
+        if self.backend == "torchft" and not self.private_network:
+            lighthouse = urlsplit(self.torchft.lighthouse).hostname or ""
+            if not is_loopback(self.host) or not is_loopback(lighthouse):
+                raise ValueError(
+                    f'diloco.backend = "torchft" with diloco.host = {self.host!r} and '
+                    f"diloco.torchft.lighthouse = {self.torchft.lighthouse!r}: torchft's servers and "
+                    "process group have no authentication or encryption, so across machines they need a "
+                    "private network; set diloco.private_network = true if the link is one (VPN, private "
+                    'interconnect), or use backend = "shardcast"'
+                )
         return self

@@ -77,15 +77,7 @@ def make_store(cfg: DilocoConfig, work_dir: Path, secret: bytes | None) -> Store
         return None
     from prime_composer.diloco.shardcast_store import ShardcastStore
 
-    return ShardcastStore(
-        work_dir,
-        cfg.host,
-        cfg.port,
-        {p.cluster_id: p.urls for p in cfg.peers},
-        secret.decode() if secret else None,
-        cfg.keep_rounds,
-        cfg.poll_interval_s,
-    )
+    return ShardcastStore.from_config(cfg, work_dir, secret)
 
 
 @register_outer_loop("shardcast")

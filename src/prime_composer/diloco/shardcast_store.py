@@ -8,47 +8,62 @@ round ``r`` is version ``3 r + 1``/``+ 2``/``+ 3``, so a reader knows which vers
 
 shardcast 0.3.2 is used without patching its files, working around its defects:
 
-- its origin binds 0.0.0.0, has no authentication, serves one request at a time and its
+- its origin binds 0.0.0.0, has no authentication or TLS, serves one request at a time and its
   ``shutdown()`` blocks until a request arrives: the origin here is a threaded ``http.server``
-  bound to ``diloco.host`` (127.0.0.1 by default) that requires the run's secret as a bearer
-  token on every path but ``/health``, and shardcast's own layout helpers write the files;
+  bound to ``diloco.host`` (127.0.0.1 by default), serving HTTPS with ``diloco.tls_cert`` when
+  set, and requiring a signed request (``auth.py``: HMAC over method, path, body, audience,
+  timestamp and nonce, keyed by a key derived from the secret) on every path but ``/health``.
+  shardcast's own layout helpers write the files;
 - it rewrites ``distribution.txt`` in place (a reader can see half of it): written to a temp
   file and renamed;
 - its client probes a ``data1.bin`` the origin never writes, writes ``/tmp/dummy.bin`` (shared by
   every client on a host) and a temp file inside site-packages, shells out to ``wget`` (and runs
   ``apt install wget`` when missing), retries forever, and crashes in ``random.choices`` when
   every server's success rate reaches 0: ``_Downloader`` overrides those methods to fetch
-  in-process with ``httpx`` (sending the bearer token), under a deadline, into this DC's own
-  download directory, and falls back to uniform server weights.
+  in-process (``transport.request``: signed, certificate-pinned, under one wall-clock deadline
+  for the whole download, byte-capped), into this DC's own download directory, and falls back to
+  uniform server weights.
 
-Downloads use ``httpx`` inside shardcast's downloader rather than ``client.http.EndpointClient``
-(which is async and JSON-shaped): shardcast keeps its per-server speed/success weighting and
-parallel shards, every attempt is bounded by the round's deadline, and failures come back as
-``None`` (data), never as exceptions.
+What another DC sends is bounded before it is used: ``distribution.txt`` at
+``MAX_DISTRIBUTION_BYTES``; a version listing more shards than its byte cap allows
+(``max_bytes`` of ``fetch``, else ``MAX_SHARDS``) is refused without downloading a shard; shards
+are cut off at ``SHARD_BYTES`` and the whole payload at ``max_bytes``; every request of a fetch
+shares the fetch's deadline (a trickling peer cannot stretch it). A version refused for its
+size, shard count or checksum is remembered (by its checksum) and counted once in
+``ShardcastStore.refused``: asking again returns ``None`` without downloading it again.
+
+Failures come back as ``None`` (data), never as exceptions.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import os
 import random
 import shutil
+import socket
+import ssl
 import tempfile
 import threading
 import time
+from collections import Counter
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 from shardcast.client import ServerMetrics, ShardDownloader
 from shardcast.utils import compute_checksum, get_shard_count, get_shard_filename, update_distribution_file
 
+from prime_composer.diloco.auth import AUTH_HEADER, Verifier, transport_key
 from prime_composer.diloco.payload import Kind
+from prime_composer.diloco.tls import server_context
+from prime_composer.diloco.transport import Peer, TransportError, request
 from prime_composer.io import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from prime_composer.config.diloco import DilocoConfig
 
 logger = logging.getLogger(__name__)
 logging.getLogger("shardcast").setLevel(logging.WARNING)  # it logs every shard at INFO
@@ -56,6 +71,11 @@ logging.getLogger("shardcast").setLevel(logging.WARNING)  # it logs every shard 
 DISTRIBUTION_FILE = "distribution.txt"
 SHARD_BYTES = 8 << 20
 """Shard size: big enough to amortise a request, small enough to download several in parallel."""
+MAX_SHARDS = 512
+"""Most shards a version may list when the caller gives no ``max_bytes`` (4 GiB)."""
+MAX_DISTRIBUTION_BYTES = 64 << 10
+"""Largest ``distribution.txt`` read from a peer (it lists ``3 * keep_rounds`` short lines)."""
+_DISTRIBUTION_TIMEOUT_S = 10.0
 
 _KIND_OFFSET: dict[str, int] = {"grad": 1, "commit": 2, "state": 3}
 
@@ -90,7 +110,13 @@ def _parse_distribution(text: str) -> dict[str, tuple[str, int]]:
 
 
 class _Handler(SimpleHTTPRequestHandler):
-    secret: str | None = None
+    verifier: Verifier | None = None
+    timeout = 30.0  # per socket operation: a client that stalls does not hold a thread forever
+
+    def setup(self) -> None:
+        super().setup()
+        if isinstance(self.connection, ssl.SSLSocket):
+            self.connection.do_handshake()  # here, in this request's thread, not in accept()
 
     def do_GET(self) -> None:
         if self.path == "/health":
@@ -99,10 +125,10 @@ class _Handler(SimpleHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(b"ok")
             return
-        if self.secret is not None:
-            scheme, _, token = self.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.secret.encode()):
-                self.send_error(401, "missing or wrong bearer token")
+        if self.verifier is not None:
+            reason = self.verifier.check("GET", self.path, b"", self.headers.get(AUTH_HEADER))
+            if reason is not None:
+                self.send_error(401, reason)
                 return
         if self.path.endswith("/"):
             self.send_error(404)
@@ -120,10 +146,33 @@ class _Handler(SimpleHTTPRequestHandler):
         logger.debug("origin %s: " + format, self.address_string(), *args)
 
 
-class Origin:
-    """This DC's shardcast origin: writes payloads as shardcast versions and serves them."""
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
 
-    def __init__(self, directory: Path, host: str, port: int, secret: str | None, keep_versions: int) -> None:
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A failed TLS handshake or a client that hangs up is the client's problem, not a traceback.
+        logger.debug("origin: request from %s failed", client_address, exc_info=True)
+
+
+class Origin:
+    """This DC's shardcast origin: writes payloads as shardcast versions and serves them.
+
+    ``secret`` set: every path but ``/health`` needs a request signed with the key derived from
+    it, addressed to ``audience`` (this DC's cluster id; None accepts any audience) within
+    ``window_s`` of this clock. ``tls`` set: served over HTTPS with that context."""
+
+    def __init__(
+        self,
+        directory: Path,
+        host: str,
+        port: int,
+        secret: str | bytes | None,
+        keep_versions: int,
+        *,
+        audience: str | None = None,
+        tls: ssl.SSLContext | None = None,
+        window_s: float = 120.0,
+    ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.keep_versions = keep_versions
@@ -131,9 +180,19 @@ class Origin:
         dist = self.directory / DISTRIBUTION_FILE
         if not dist.exists():
             atomic_write_bytes(dist, b"")
-        handler = type("Handler", (_Handler,), {"secret": secret})
-        self._server = ThreadingHTTPServer((host, port), partial(handler, directory=str(self.directory)))
-        self._server.daemon_threads = True
+        verifier = None
+        if secret:
+            key = transport_key(secret.encode() if isinstance(secret, str) else secret)
+            verifier = Verifier(key, audience, window_s)
+        handler = type("Handler", (_Handler,), {"verifier": verifier})
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server_class = type("Server", (_Server,), {"address_family": family})
+        self._server = server_class((host.strip("[]"), port), partial(handler, directory=str(self.directory)))
+        if tls is not None:
+            self._server.socket = tls.wrap_socket(
+                self._server.socket, server_side=True, do_handshake_on_connect=False
+            )
+        self.scheme = "https" if tls is not None else "http"
         self._thread = threading.Thread(target=self._server.serve_forever, name="diloco-origin", daemon=True)
         self._thread.start()
 
@@ -176,18 +235,31 @@ class Origin:
 
 
 class _Downloader(ShardDownloader):
-    """shardcast's downloader with its defects worked around (see the module docstring)."""
+    """shardcast's downloader with its defects worked around (see the module docstring).
 
-    def __init__(self, servers: list[str], secret: str | None, poll_interval_s: float) -> None:
+    One download at a time (the store holds a lock per peer): ``begin`` sets the deadline every
+    request of it shares and the byte budget its shards draw from."""
+
+    def __init__(self, peers: list[Peer], poll_interval_s: float) -> None:
         # Not super().__init__: it would check for wget (installing it) and probe data1.bin.
-        self.servers = [s.rstrip("/") for s in servers]
+        self._peers = {p.url.rstrip("/"): p for p in peers}
+        self.servers = list(self._peers)
         self.timeout = 30
         self.metrics_lock = threading.Lock()
         self.server_metrics = {s: ServerMetrics(bandwidth_mbps=1.0, success_rate=1.0) for s in self.servers}
         self.deadline = time.monotonic()
         self.poll_interval_s = poll_interval_s
-        headers = {"Authorization": f"Bearer {secret}"} if secret else {}
-        self._http = httpx.Client(headers=headers, trust_env=False)
+        self._budget_lock = threading.Lock()
+        self._bytes_left = 0
+        self.over_cap = False
+        self.errors: Counter[str] = Counter()
+        """Failed requests by reason (``deadline``, ``too_large``, ``pin``, ``connect``, ``http_<code>``)."""
+        self._warned: set[tuple[str, str]] = set()
+
+    def begin(self, deadline: float, max_bytes: int) -> None:
+        self.deadline = deadline
+        self._bytes_left = max_bytes
+        self.over_cap = False
 
     def _sample_best_server(self) -> str:
         with self.metrics_lock:
@@ -202,11 +274,50 @@ class _Downloader(ShardDownloader):
     def _remaining(self) -> float:
         return self.deadline - time.monotonic()
 
-    def _wget(self, url: str, output_path: str, timeout: int | None = None) -> bool:
-        limit = max(0.05, min(float(timeout or self.timeout), self._remaining()))
-        response = self._http.get(url, timeout=limit)
-        response.raise_for_status()
-        Path(output_path).write_bytes(response.content)
+    def _failed(self, server: str, reason: str, detail: str) -> None:
+        self.errors[reason] += 1
+        if reason == "pin" and (server, reason) not in self._warned:
+            self._warned.add((server, reason))
+            logger.error("diloco: %s", detail)
+        else:
+            logger.debug("diloco: %s", detail)
+
+    def _get(self, server: str, url_path: str, max_bytes: int, deadline: float) -> tuple[bytes | None, str]:
+        """``(body, "")`` or ``(None, reason)``."""
+        try:
+            status, data = request(self._peers[server], "GET", url_path, deadline, max_bytes)
+        except TransportError as e:
+            self._failed(server, e.reason, str(e))
+            return None, e.reason
+        if status != 200:
+            self._failed(server, f"http_{status}", f"{server}/{url_path}: HTTP {status}")
+            return None, f"http_{status}"
+        return data, ""
+
+    def _download_file(
+        self, server: str, url_path: str, output_path: Path | str, update_metrics: bool = True
+    ) -> bool:
+        """One attempt at one shard from ``server``, within the download's deadline and budget."""
+        if self.over_cap or self._remaining() <= 0:
+            return False
+        with self._budget_lock:
+            cap = min(SHARD_BYTES, self._bytes_left)
+        start = time.monotonic()
+        data, reason = self._get(server, url_path, cap, self.deadline)
+        if data is None:
+            if reason == "too_large":
+                self.over_cap = True  # a shard over SHARD_BYTES, or more than the payload may weigh
+            self._update_server_metrics(server, 0.0, False)
+            return False
+        with self._budget_lock:
+            self._bytes_left -= len(data)
+            if self._bytes_left < 0:
+                self.over_cap = True
+                return False
+        atomic_write_bytes(Path(output_path), data)
+        if update_metrics:
+            mbps = len(data) / max(time.monotonic() - start, 1e-6) / 1e6
+            self._update_server_metrics(server, max(mbps, 1e-3), True)
         return True
 
     def download_file(
@@ -222,7 +333,7 @@ class _Downloader(ShardDownloader):
         while True:
             if self._download_file(self._sample_best_server(), url_path, output_path, update_metrics):
                 return True
-            if self._remaining() <= 0:
+            if self.over_cap or self._remaining() <= 0:
                 return False
             time.sleep(min(self.poll_interval_s, max(0.0, self._remaining())))
 
@@ -232,48 +343,104 @@ class _Downloader(ShardDownloader):
     def get_text(self, url_path: str) -> str | None:
         """One attempt at a small file on any server (the distribution file); None on failure."""
         for server in random.sample(self.servers, len(self.servers)):
-            try:
-                response = self._http.get(
-                    f"{server}/{url_path}", timeout=max(0.05, min(10.0, self._remaining()))
-                )
-            except httpx.HTTPError:
-                continue
-            if response.status_code == 200:
-                return response.text
+            deadline = min(self.deadline, time.monotonic() + _DISTRIBUTION_TIMEOUT_S)
+            if deadline <= time.monotonic():
+                return None
+            data, _ = self._get(server, url_path, MAX_DISTRIBUTION_BYTES, deadline)
+            if data is not None:
+                return data.decode("utf-8", "replace")
         return None
 
     def close(self) -> None:
-        self._http.close()
+        pass
 
 
 class ShardcastStore:
-    """This DC's origin plus one shardcast client per peer."""
+    """This DC's origin plus one shardcast client per peer.
+
+    ``peers`` maps each peer's cluster id to its URLs, as strings (plain ``http://``, signed with
+    the key derived from ``secret`` and addressed to that cluster id) or as ``Peer``s (which say
+    all of it, pins included: ``from_config`` builds those)."""
 
     def __init__(
         self,
         directory: Path,
         host: str,
         port: int,
-        peers: dict[str, list[str]],
-        secret: str | None,
+        peers: dict[str, list[str]] | dict[str, list[Peer]],
+        secret: str | bytes | None,
         keep_rounds: int,
         poll_interval_s: float,
+        *,
+        cluster_id: str | None = None,
+        tls: ssl.SSLContext | None = None,
+        window_s: float = 120.0,
     ) -> None:
         self.directory = Path(directory)
-        self.origin = Origin(self.directory / "origin", host, port, secret, keep_versions=3 * keep_rounds)
-        self._downloaders = {c: _Downloader(urls, secret, poll_interval_s) for c, urls in peers.items()}
+        if isinstance(secret, str):
+            secret = secret.encode()
+        self.origin = Origin(
+            self.directory / "origin",
+            host,
+            port,
+            secret,
+            keep_versions=3 * keep_rounds,
+            audience=cluster_id,
+            tls=tls,
+            window_s=window_s,
+        )
+        key = transport_key(secret) if secret else None
+        self._downloaders = {
+            c: _Downloader([u if isinstance(u, Peer) else Peer(u, c, key) for u in urls], poll_interval_s)
+            for c, urls in peers.items()
+        }
         self._locks = {c: threading.Lock() for c in peers}
+        self.refused: Counter[str] = Counter()
+        """Versions refused (``too_many_shards``, ``too_large``, ``bad_checksum``), each counted once."""
+        self._refused_versions: dict[tuple[str, str, str, int], str] = {}
+
+    @classmethod
+    def from_config(cls, cfg: DilocoConfig, work_dir: Path, secret: bytes | None) -> ShardcastStore:
+        """The store of ``cfg``: its origin (HTTPS when ``tls_cert`` is set) and its peers (pinned)."""
+        key = transport_key(secret) if secret else None
+        peers = {p.cluster_id: [Peer(u, p.cluster_id, key, p.fingerprint) for u in p.urls] for p in cfg.peers}
+        tls = None
+        if cfg.tls_cert is not None and cfg.tls_key is not None:
+            tls = server_context(cfg.tls_cert, cfg.tls_key)
+        return cls(
+            work_dir,
+            cfg.host,
+            cfg.port,
+            peers,
+            secret,
+            cfg.keep_rounds,
+            cfg.poll_interval_s,
+            cluster_id=cfg.cluster_id,
+            tls=tls,
+            window_s=cfg.auth_window_s,
+        )
+
+    @property
+    def transport_errors(self) -> Counter[str]:
+        """Failed requests to all peers by reason."""
+        total: Counter[str] = Counter()
+        for d in self._downloaders.values():
+            total.update(d.errors)
+        return total
 
     def publish(self, kind: Kind, round_: int, data: bytes) -> None:
         self.origin.publish(kind, round_, data)
 
-    def versions(self, cluster: str, timeout_s: float = 5.0) -> dict[str, tuple[str, int]] | None:
-        """The peer's distribution file, or None when it does not answer."""
+    def _versions(self, cluster: str, deadline: float) -> dict[str, tuple[str, int]] | None:
         downloader = self._downloaders[cluster]
         with self._locks[cluster]:
-            downloader.deadline = time.monotonic() + timeout_s
+            downloader.begin(deadline, MAX_DISTRIBUTION_BYTES)
             text = downloader.get_text(DISTRIBUTION_FILE)
         return None if text is None else _parse_distribution(text)
+
+    def versions(self, cluster: str, timeout_s: float = 5.0) -> dict[str, tuple[str, int]] | None:
+        """The peer's distribution file, or None when it does not answer."""
+        return self._versions(cluster, time.monotonic() + timeout_s)
 
     def available(self, cluster: str, timeout_s: float) -> set[tuple[str, int]] | None:
         """The ``(kind, round)`` pairs the peer serves now, or None when it does not answer."""
@@ -287,23 +454,44 @@ class ShardcastStore:
                     out.add((kind, r))
         return out
 
+    def _refuse(self, key: tuple[str, str, str, int], reason: str) -> None:
+        if key not in self._refused_versions:
+            self._refused_versions[key] = reason
+            self.refused[reason] += 1
+            logger.warning("diloco: %s %s refused: %s", key[0], key[1], reason)
+            while len(self._refused_versions) > 4096:
+                self._refused_versions.pop(next(iter(self._refused_versions)))
+
     def fetch(
         self, cluster: str, kind: Kind, round_: int, timeout_s: float, max_bytes: int | None = None
     ) -> bytes | None:
         """The peer's payload of (``kind``, ``round_``) if it is published and downloads (blake3
-        checked) within ``timeout_s``; None otherwise (not there yet, peer down, too slow)."""
+        checked) within ``timeout_s`` in all, at most ``max_bytes`` long (None: ``MAX_SHARDS``
+        shards); None otherwise (not there yet, peer down, too slow, too big, refused before)."""
+        deadline = time.monotonic() + timeout_s
         version = version_of(kind, round_)
-        versions = self.versions(cluster, timeout_s)
+        versions = self._versions(cluster, deadline)
         if versions is None or version not in versions:
             return None
         checksum, num_shards = versions[version]
+        key = (cluster, version, checksum, num_shards)
+        if key in self._refused_versions:
+            return None
+        cap = max_bytes if max_bytes is not None else MAX_SHARDS * SHARD_BYTES
+        if not 1 <= num_shards <= max(1, -(-cap // SHARD_BYTES)):
+            self._refuse(key, "too_many_shards")
+            return None
         downloader = self._downloaders[cluster]
         target = self.directory / "downloads" / cluster / version
         shutil.rmtree(target, ignore_errors=True)
         with self._locks[cluster]:
-            downloader.deadline = time.monotonic() + timeout_s
+            downloader.begin(deadline, cap)
             shards = downloader.download_shards(version, num_shards, str(target))
+            over_cap = downloader.over_cap
         try:
+            if over_cap:
+                self._refuse(key, "too_large")
+                return None
             if len(shards) != num_shards:
                 return None
             whole = target / "payload.bin"
@@ -311,7 +499,7 @@ class ShardcastStore:
                 for i in range(num_shards):
                     out.write((target / get_shard_filename(i)).read_bytes())
             if compute_checksum(str(whole)) != checksum:
-                logger.warning("diloco: %s %s from %s fails its blake3 checksum", kind, round_, cluster)
+                self._refuse(key, "bad_checksum")
                 return None
             return whole.read_bytes()
         finally:

@@ -71,16 +71,29 @@ class TorchftOuterLoop:
         self, cfg: DilocoConfig, model: nn.Module, inner_optimizer: torch.optim.Optimizer, work_dir: Path
     ) -> None:
         from torch.distributed import TCPStore
-        from torchft import Manager, ProcessGroupGloo
+        from torchft import Manager
         from torchft.local_sgd import DiLoCo
+
+        from prime_composer.diloco import torchft_bind
 
         assert cfg.backend == "torchft" and cfg.quantization == "none"
         self.cfg = cfg
         self.model = model
         self.optimizer = inner_optimizer
         timeout = timedelta(seconds=cfg.torchft.timeout_s)
+        # Every server torchft starts listens on cfg.host only (torchft_bind.py), checked below.
+        self._listening_before = torchft_bind.listening_sockets()
         # The replica group's own store (this DC is one replica of world size 1).
-        self._store = TCPStore(cfg.host, cfg.torchft.store_port, is_master=True, wait_for_workers=False)
+        # The TCPStore owns the socket from here on (it closes the fd when it goes; closing it here
+        # too would close whatever a later socket reuses that fd number for).
+        listen_fd = torchft_bind.store_socket(cfg.host, cfg.torchft.store_port).detach()
+        self._store = TCPStore(
+            cfg.host,
+            cfg.torchft.store_port,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=listen_fd,
+        )
         self.fragments = split_fragments(model, cfg.num_fragments)
         modules = [_FragmentModule(f) for f in self.fragments]
         outer = [
@@ -89,28 +102,32 @@ class TorchftOuterLoop:
             )
             for f in self.fragments
         ]
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
-            load_state_dict=self._load_replica_state,
-            state_dict=self._replica_state,
-            min_replica_size=cfg.min_clusters,
-            use_async_quorum=False,
-            replica_id=cfg.cluster_id,
-            store_addr=cfg.host,
-            store_port=cfg.torchft.store_port,
-            rank=0,
-            world_size=1,
-            lighthouse_addr=cfg.torchft.lighthouse,
-            hostname=cfg.host,
-            port=cfg.port,
-            timeout=timeout,
-            quorum_timeout=timeout,
-            connect_timeout=timeout,
-            # Every DC starts from the same weights (same model, same seed). With init_sync torchft
-            # copies one replica's weights to the others at the first quorum, which DiLoCo only
-            # holds after the first H/P inner steps: it would overwrite their local progress.
-            init_sync=False,
-        )
+        with torchft_bind.manager_bound_to(cfg.host):
+            self.manager = Manager(
+                pg=torchft_bind.gloo_bound_to(cfg.host, timeout),
+                checkpoint_transport=torchft_bind.bound_transport(cfg.host, timeout),
+                load_state_dict=self._load_replica_state,
+                state_dict=self._replica_state,
+                min_replica_size=cfg.min_clusters,
+                use_async_quorum=False,
+                replica_id=cfg.cluster_id,
+                store_addr=cfg.host,
+                store_port=cfg.torchft.store_port,
+                rank=0,
+                world_size=1,
+                lighthouse_addr=cfg.torchft.lighthouse,
+                hostname=cfg.host,
+                port=cfg.port,
+                timeout=timeout,
+                quorum_timeout=timeout,
+                connect_timeout=timeout,
+                # Every DC starts from the same weights (same model, same seed). With init_sync torchft
+                # copies one replica's weights to the others at the first quorum, which DiLoCo only
+                # holds after the first H/P inner steps: it would overwrite their local progress.
+                init_sync=False,
+            )
+        torchft_bind.check_bound(cfg.host, self._listening_before)
+        self._checked_gloo = False
         self.diloco = DiLoCo(
             self.manager,
             modules,
@@ -151,6 +168,11 @@ class TorchftOuterLoop:
         """True when torchft applied an outer step during this step's ``optimizer.step()``."""
         current = self.manager.current_step()
         changed, self._synced = current != self._synced, current
+        if changed and not self._checked_gloo:  # gloo's sockets exist from the first quorum on
+            from prime_composer.diloco.torchft_bind import check_bound
+
+            check_bound(self.cfg.host, self._listening_before, "torchft's gloo process group")
+            self._checked_gloo = True
         if changed:
             self.last_metrics = {
                 "diloco/round": float(current - 1),
