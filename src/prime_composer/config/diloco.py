@@ -252,6 +252,7 @@ class DilocoConfig(BaseConfig):
             return self.data_seed
         offset = int.from_bytes(hashlib.sha256(self.cluster_id.encode()).digest()[:8], "big")
         return (seed + offset) % 2**63
+
     # --- transport security (diloco/auth.py, diloco/tls.py, diloco/shardcast_store.py) ---
     tls_cert: Path | None = None
     """PEM certificate this DC's origin serves HTTPS with (with ``tls_key``); generate both with
