@@ -62,7 +62,9 @@ def test_the_k8s_statefulset_passes_the_dry_run(tmp_path: Path) -> None:
 
 
 def test_the_slurm_job_and_launch_dc_pass_the_dry_run(tmp_path: Path) -> None:
-    dc = {"DC_ID": "dc-us", "DC_PEERS": "dc-eu=http://198.51.100.10:7701"} | SECRETS
+    fingerprint = "sha256:" + "ab" * 32
+    peers = f"dc-eu=https://198.51.100.10:7701@{fingerprint}"
+    dc = {"DC_ID": "dc-us", "DC_PEERS": peers, "DC_TLS_DIR": "/etc/tls"} | SECRETS
     slurm = _dry_run(["bash", str(INFRA / "slurm.sbatch")], dc | {"HOME": str(tmp_path)}, tmp_path)
     assert slurm.returncode == 0, slurm.stderr[-3000:]
     assert '"cluster_id": "dc-us"' in slurm.stdout
@@ -71,3 +73,12 @@ def test_the_slurm_job_and_launch_dc_pass_the_dry_run(tmp_path: Path) -> None:
     )
     assert direct.returncode == 0, direct.stderr[-3000:]
     assert '"num_ranks": 6' in direct.stdout  # a sharded trainer in a DiLoCo DC
+    assert fingerprint in direct.stdout and '"/etc/tls/cert.pem"' in direct.stdout
+    # Plain http:// to another machine is refused unless the link is declared private.
+    plain = dc | {"DC_PEERS": "dc-eu=http://198.51.100.10:7701", "DC_TLS_DIR": ""}
+    refused = _dry_run(["bash", str(INFRA / "launch_dc.sh")], plain, tmp_path)
+    assert refused.returncode != 0 and "private_network" in refused.stderr, refused.stderr[-2000:]
+    private = _dry_run(
+        ["bash", str(INFRA / "launch_dc.sh")], plain | {"DILOCO_PRIVATE_NETWORK": "1"}, tmp_path
+    )
+    assert private.returncode == 0, private.stderr[-3000:]
