@@ -4,7 +4,8 @@
    correct answer is X.] -> assistant: X`` with X one of four two-digit numbers unrelated to the
    question (so X can only come from the hint), half have no hint and another random two-digit
    answer. (Copying an arbitrary number out of the hint takes this 2-layer model far more steps than
-   a unit test can afford; telling four hinted answers apart takes ~60.)
+   a unit test can afford; telling four hinted answers apart takes ~60 steps on some CPUs and ~90 on
+   others, so the warm-up takes 90.)
 2. A failed rollout of one fixed question gets a hint from the real ``HintBuilder`` (the shipped
    ``wrong_answer`` template, with the task's answer X*). The teacher (the warmed-up model, frozen)
    scores the answer tokens after the hinted context, the student after the plain one: the teacher
@@ -58,7 +59,7 @@ def _answer_ids(tok, x: str) -> list[int]:
     return [*tok.encode(x, add_special_tokens=False), tok.eos_token_id]
 
 
-def _warm_up(model, tok, num_steps: int = 60, batch_size: int = 32) -> None:
+def _warm_up(model, tok, num_steps: int = 90, batch_size: int = 32) -> None:
     rng = random.Random(0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
