@@ -159,15 +159,19 @@ def test_sigkill_at_a_random_point_then_resume(
     tmp_path: Path, reference, warm_start, victim: str, fault_rng: random.Random
 ) -> None:
     step = fault_rng.choice([1, 2])  # after the checkpoint of this step, a random moment into the next
-    delay = fault_rng.uniform(0.0, 1.5)
-    print(f"kill point: {victim} {delay:.2f} s after the checkpoint of step {step}")
+    fraction = fault_rng.uniform(0.0, 0.9)  # of a step's measured duration, so the kill lands inside the run
+    print(f"kill point: {victim} {fraction:.2f} of a step after the checkpoint of step {step}")
     marks: dict[str, float] = {}
 
     def moment(out: Path) -> bool:
+        if "previous" not in marks:
+            if checkpoint_done(out, step - 1):
+                marks["previous"] = time.monotonic()
+            return False
         if not checkpoint_done(out, step):
             return False
-        marks.setdefault("done", time.monotonic())
-        return time.monotonic() - marks["done"] >= delay
+        now = marks.setdefault("done", time.monotonic())
+        return time.monotonic() - now >= fraction * (now - marks["previous"])
 
     kill_and_resume(tmp_path, victim, moment, warm_start)
     assert_same_run(tmp_path, reference)

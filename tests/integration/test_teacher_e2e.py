@@ -223,8 +223,10 @@ def test_three_tiny_teachers_and_faulty_ones_make_pairs_within_budget(tmp_path):
         answered = {t for t, o in pair.provenance["outcomes"].items() if o in ("ok", "cache_hit")}
         assert {t for ts in clusters.values() for t in ts} == answered, pair.provenance
         for_pytest = [ts for key, ts in clusters.items() if "pytest -q" in key]
-        for_cat = [ts for key, ts in clusters.items() if "cat calc/calc.py" in key]
+        # tiny-c's own cluster: its `cat` answer, or on some CPUs' numerics a misspelled variant of
+        # it (greedy "arrguments"/"comand" on one trace state), which parses as a call without
+        # valid arguments; either way a vote of its own, never merged with the pytest voters.
+        others = [ts for key, ts in clusters.items() if "pytest -q" not in key]
         assert len(for_pytest) == 1 and set(for_pytest[0]) <= {"slow", "tiny-a", "tiny-b"}, clusters
-        assert all(set(ts) <= {"tiny-c"} for ts in for_cat), clusters
-        assert len(for_pytest) + len(for_cat) == len(clusters), clusters
+        assert all(set(ts) <= {"tiny-c"} for ts in others), clusters
         assert pair.vote_share == pytest.approx(len(for_pytest[0]) / len(answered))
