@@ -162,7 +162,9 @@ def test_two_replicas_one_killed_mid_run(tmp_path: Path) -> None:
     # step that logs them, so which step that is depends on timing).
     dead_from = next(i for i, r in enumerate(rows) if r["replicas/deaths"] == 1)
     after = rows[dead_from + 1 :]
-    assert after and all(r["replicas/0/calls"] == 0 and r["replicas/1/calls"] > 0 for r in after)
+    # A step whose batch was generated ahead logs no calls at all, so replica 1's calls are summed.
+    assert after and all(r["replicas/0/calls"] == 0 for r in after)
+    assert sum(r["replicas/1/calls"] for r in rows[dead_from:]) > 0
     # The calls in flight on the killed replica were sent to the other: no rollout failed.
     assert all(r["samples/generated"] > 0 and r["samples/errors"] == 0 for r in rows)
     log = (out / "logs" / "orchestrator.log").read_text()

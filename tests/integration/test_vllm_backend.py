@@ -26,6 +26,7 @@ and that vLLM renders the same prompt token ids as the hf backend for tools and 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -173,6 +174,37 @@ def _generate(
     return tokens, torch.tensor(logprobs["token_logprobs"], dtype=torch.float64)
 
 
+def _stream(
+    base_url: str, prompt: list[int], max_tokens: int, started: threading.Event, **extra: Any
+) -> tuple[list[int], torch.Tensor]:
+    """``_generate`` as a stream; ``started`` is set once the first token has come back (the
+    request is then running in the engine, not queued in front of it)."""
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": TEMPERATURE,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "stream": True,
+        **extra,
+    }
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=AUTH, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))["choices"][0]["logprobs"]
+            if chunk is None:
+                continue
+            tokens += [int(t.removeprefix("token_id:")) for t in chunk["tokens"]]
+            logprobs += chunk["token_logprobs"]
+            started.set()
+    return tokens, torch.tensor(logprobs, dtype=torch.float64)
+
+
 def _max_error(base_url: str, model: torch.nn.Module) -> float:
     """Largest |served - reference| logprob over fresh completions of every prompt."""
     worst = 0.0
@@ -289,15 +321,19 @@ def test_vllm_cpu_serves_published_weights(vllm_run: Served) -> None:
         # 3. a long request running while step 1 is requested finishes on step 2's weights.
         result: dict[str, Any] = {}
 
+        started = threading.Event()
+
         def run_long_request() -> None:
             # Nearly the whole 512-token context, so the request outlasts the update's start
             # even on a quiet machine (480 tokens took ~0.75 s on one).
-            result["out"] = _generate(url, PROMPTS[1], max_tokens=480, ignore_eos=True)
+            result["out"] = _stream(url, PROMPTS[1], 480, started, ignore_eos=True)
             result["finished"] = time.monotonic()
 
         long_request = threading.Thread(target=run_long_request)
         long_request.start()
-        time.sleep(0.2)  # let the request be admitted first (it is within milliseconds)
+        # The update must find the request running (a fixed sleep once let a loaded machine's
+        # request arrive after the update had paused scheduling: it ran on the new weights).
+        assert started.wait(timeout=60), "the long request sent no token in 60 s"
         update_requested = time.monotonic()
         response = httpx.post(f"{url}/update_weights", json={"path": "step_1"}, headers=AUTH, timeout=120)
         long_request.join(timeout=120)
