@@ -87,6 +87,24 @@ def enabled_processes(rl: Any) -> list[Process]:
     return [p for p in PROCESSES if p.enabled(rl)]
 
 
+def node_processes(rl: Any) -> list[Process]:
+    """The processes ``rl`` starts on this node, in start order: ``launch.processes`` when given,
+    else every process of the run on node 0 (but inference with ``launch.remote_inference``) and
+    the trainer alone on the others."""
+    names = rl.launch.processes
+    if names is None and rl.launch.node_rank > 0:
+        names = ["trainer"]
+    if names is None and rl.launch.remote_inference:
+        names = [p.name for p in PROCESSES if p.name != "inference"]
+    return [p for p in enabled_processes(rl) if names is None or p.name in names]
+
+
+def ranks_per_node(rl: Any) -> int:
+    """Trainer ranks each node starts: ``trainer.num_ranks / launch.nodes`` (the resolver checks
+    that it divides)."""
+    return int(rl.trainer.num_ranks // rl.launch.nodes)
+
+
 def checkpoint_parts(rl: Any) -> tuple[str, ...]:
     """The part names every complete checkpoint of the run ``rl`` has."""
     names = {p.name for p in enabled_processes(rl)}

@@ -9,7 +9,7 @@ from prime_composer.config.channels import Pairing, Switched, Weighted, channels
 from prime_composer.config.cli import CliOptions, build_config, dialect, origin_of
 from prime_composer.config.errors import ConfigError
 from prime_composer.config.ports import assign_free_ports, free_port
-from prime_composer.config.processes import SECTION_NAMES, checkpoint_parts
+from prime_composer.config.processes import SECTION_NAMES, checkpoint_parts, node_processes, ranks_per_node
 from prime_composer.config.rl import RLConfig
 from prime_composer.config.shared import unify_shared_keys
 
@@ -40,6 +40,7 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
             f"{config.transport.keep_last_steps} must exceed max_async_level = {config.max_async_level}, "
             f"or the trainer could miss a step the orchestrator already deleted"
         )
+    _check_nodes(config, origins)
     _check_gpus(config, origins)
     _check_channels(config, origins)
     _copy_diloco(config, origins)
@@ -53,6 +54,9 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
             free_port(inference.host, taken) for _ in range(inference.num_replicas - 1)
         ]
         expected = [f"http://{client_host(inference.host)}:{port}/v1" for port in ports]
+    if "inference" not in {p.name for p in node_processes(config)}:
+        _check_remote_inference(config, origins)
+        return config
     if "base_url" in config.orchestrator.model_fields_set and config.orchestrator.base_url != expected:
         raise ConfigError(
             f"{origin_of('orchestrator.base_url', origins)}: "
@@ -62,6 +66,34 @@ def finalize_rl_config(config: RLConfig, origins: dict[str, str]) -> RLConfig:
         )
     config.orchestrator.base_url = expected
     return config
+
+
+def _check_nodes(config: RLConfig, origins: dict[str, str]) -> None:
+    """``trainer.num_ranks`` counts the ranks of every node: each node starts an equal share."""
+    nodes, ranks = config.launch.nodes, config.trainer.num_ranks
+    if ranks % nodes:
+        raise ConfigError(
+            f"{origin_of('trainer.num_ranks', origins)}: trainer.num_ranks = {ranks} with launch.nodes = "
+            f"{nodes}: trainer.num_ranks counts the ranks of all nodes and each node starts the same "
+            f"number, so make it a multiple of {nodes} (e.g. {nodes * max(1, ranks // nodes)})"
+        )
+
+
+def _check_remote_inference(config: RLConfig, origins: dict[str, str]) -> None:
+    """The orchestrator runs here but the inference servers elsewhere: it needs their URLs."""
+    here = {p.name for p in node_processes(config)}
+    if "orchestrator" in here and "base_url" not in config.orchestrator.model_fields_set:
+        why = (
+            f"launch.processes = {config.launch.processes}"
+            if config.launch.processes is not None
+            else "launch.remote_inference = true"
+        )
+        key = "launch.processes" if config.launch.processes is not None else "launch.remote_inference"
+        raise ConfigError(
+            f"{origin_of(key, origins)}: {why} starts "
+            "the orchestrator without the inference server: set orchestrator.base_url to the servers' "
+            "URLs (a list for several, e.g. ['http://infer-0:8000/v1', 'http://infer-1:8000/v1'])"
+        )
 
 
 def _copy_lora_rank(config: RLConfig, origins: dict[str, str]) -> None:
@@ -81,10 +113,13 @@ def _check_gpus(config: RLConfig, origins: dict[str, str]) -> None:
     """``launch.gpus`` gives the trainer one GPU per rank and vLLM one per tensor-parallel shard."""
     gpus = config.launch.gpus
     where = origin_of("launch.gpus", origins)
-    if "trainer" in gpus and len(gpus["trainer"]) != config.trainer.num_ranks:
+    per_node = ranks_per_node(config)
+    if "trainer" in gpus and len(gpus["trainer"]) != per_node:
+        of_nodes = f" / launch.nodes = {config.launch.nodes}" if config.launch.nodes > 1 else ""
         raise ConfigError(
             f"{where}: launch.gpus.trainer has {len(gpus['trainer'])} GPUs but trainer.num_ranks = "
-            f"{config.trainer.num_ranks}; the trainer runs one rank per GPU, so make them equal"
+            f"{config.trainer.num_ranks}{of_nodes} ranks run on this node; the trainer runs one rank per "
+            "GPU, so make them equal"
         )
     tensor_parallel = config.inference.vllm.tensor_parallel_size
     if "inference" in gpus and len(gpus["inference"]) < config.inference.num_gpus:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prime_composer.config.base import MAX_LR, MAX_STEPS, BaseConfig
@@ -43,6 +43,76 @@ class LaunchConfig(BaseConfig):
     with its rollouts, broadcasts, metrics and logs). Without it such a run must be resumed
     (``--resume``) or given another ``output_dir``."""
 
+    nodes: int = Field(default=1, ge=1, le=4096)
+    """Nodes the trainer spans. ``rl`` runs on each of them (the same command and config, with its
+    own ``launch.node_rank``) and starts that node's ``trainer.num_ranks / nodes`` ranks under
+    torchrun's c10d rendezvous; FSDP2 shards over every rank of every node. Node 0 also runs the
+    orchestrator and the inference server (``launch.processes`` changes that). Every node must
+    see the same ``output_dir`` (a shared filesystem): ranks read their batches from it and write
+    their checkpoint shards into it."""
+
+    node_rank: int = Field(default=0, ge=0)
+    """This node's index, ``0 .. nodes - 1`` (SLURM: ``$SLURM_NODEID``). Node 0 hosts the
+    rendezvous and prepares ``output_dir`` (a fresh start's clean-up, a resume's trimming)."""
+
+    rdzv_endpoint: str = "127.0.0.1:29400"
+    """``host:port`` of the trainer's rendezvous, hosted by node 0 (with ``nodes > 1``). The
+    default keeps it on this machine (several "nodes" on one host); across machines give node 0's
+    address on the cluster network, with ``launch.private_network = true``. Global ranks are
+    assigned by the rendezvous: each node's ranks are contiguous, in no promised node order."""
+
+    private_network: bool = False
+    """The nodes talk over a private network (a cluster fabric, a VPN): torch's rendezvous store
+    and the gloo/NCCL collectives authenticate nothing, so a ``rdzv_endpoint`` off loopback is
+    refused without this."""
+
+    rdzv_timeout_s: float = Field(default=1800.0, gt=0)
+    """How long a node waits for the others to join the rendezvous (node 0 joins only after its
+    warm-up, if any, and after the inference server is healthy)."""
+
+    remote_inference: bool = False
+    """The inference servers run on other machines (PRIME-RL's inference nodes, each started
+    there, e.g. ``rl --launch.processes '["inference"]'``): ``rl`` starts none and the orchestrator
+    uses ``orchestrator.base_url`` as given (a list for several servers)."""
+
+    processes: list[str] | None = None
+    """The processes ``rl`` starts on this node; ``None``: every process of the run on node 0, the
+    trainer alone on the others. Leave ``inference`` out where the servers run on other machines
+    (list them in ``orchestrator.base_url``); ``["inference"]`` makes an inference-only node.
+    The run's checkpoints still hold every process's part."""
+
+    @model_validator(mode="after")
+    def _check_nodes(self) -> LaunchConfig:
+        from prime_composer.config.processes import SECTION_NAMES
+        from prime_composer.netaddr import is_loopback
+
+        if self.node_rank >= self.nodes:
+            raise ValueError(
+                f"launch.node_rank = {self.node_rank} with launch.nodes = {self.nodes}: node ranks are "
+                f"0 .. {self.nodes - 1}"
+            )
+        host, _ = split_endpoint(self.rdzv_endpoint)
+        if self.nodes > 1 and not is_loopback(host) and not self.private_network:
+            raise ValueError(
+                f"launch.rdzv_endpoint = {self.rdzv_endpoint!r} is reachable from other machines, and "
+                "torch's rendezvous and collectives authenticate nothing: set launch.private_network = "
+                "true if the nodes share a private network (cluster fabric, VPN)"
+            )
+        for name in self.processes or []:
+            if name not in SECTION_NAMES:
+                raise ValueError(
+                    f"launch.processes: {name!r} is not a process; the processes are {', '.join(SECTION_NAMES)}"
+                )
+        if self.processes is not None and not self.processes:
+            raise ValueError("launch.processes = []: list the processes this node runs, or leave it out")
+        return self
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _check_endpoint(cls, endpoint: str) -> str:
+        split_endpoint(endpoint)
+        return endpoint
+
     @field_validator("gpus")
     @classmethod
     def _check_gpus(cls, gpus: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -65,6 +135,19 @@ class LaunchConfig(BaseConfig):
                     )
                 seen[i] = name
         return gpus
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``(host, port)`` of ``launch.rdzv_endpoint`` (``host:port``, ``[v6]:port``); ``ValueError``
+    saying what is wrong otherwise."""
+    host, sep, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(
+            f"launch.rdzv_endpoint = {endpoint!r}: give host:port, e.g. '10.0.0.1:29400' (IPv6 as "
+            "'[fd00::1]:29400')"
+        )
+    return host, int(port)
 
 
 class WarmupConfig(BaseConfig):

@@ -32,10 +32,13 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def preflight(config: RLConfig) -> None:
     """Raise ``ConfigError`` listing every problem that would stop the run after launch (``rl``
     runs it before it touches the run directory, and ``rl --dry-run`` runs it too)."""
+    from prime_composer.config.processes import node_processes
+
+    here = {p.name for p in node_processes(config)}  # what another node runs is checked there
     problems = [
         *_secret_problems(config),
         *_model_problems(config),
-        *_environment_problems(config),
+        *(_environment_problems(config) if "orchestrator" in here else []),
         *_port_problems(config),
         *_length_problems(config),
     ]
@@ -123,10 +126,15 @@ def _environment_problems(config: RLConfig) -> list[str]:
 
 
 def _port_problems(config: RLConfig) -> list[str]:
-    wanted = [("inference.port", config.inference.host, config.inference.port)]
-    if config.teacher is not None:
+    from prime_composer.config.processes import node_processes
+
+    here = {p.name for p in node_processes(config)}  # another node's servers listen there, not here
+    wanted = []
+    if "inference" in here:
+        wanted.append(("inference.port", config.inference.host, config.inference.port))
+    if config.teacher is not None and "teacher" in here:
         wanted.append(("teacher.port", config.teacher.host, config.teacher.port))
-    if config.transport.kind == "zmq":
+    if config.transport.kind == "zmq" and "orchestrator" in here:
         wanted.append(("transport.port", config.transport.host, config.transport.port))
     problems = []
     for key, host, port in wanted:

@@ -12,8 +12,10 @@ starts the processes with logs in ``<output_dir>/logs/``, shows progress from
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,7 +25,7 @@ from urllib.parse import urlsplit
 from prime_composer.checkpoint_layout import find_resume_point
 from prime_composer.config.errors import RUN_ERROR_EXIT_CODE, ConfigError
 from prime_composer.config.inference import InferenceConfig
-from prime_composer.config.processes import enabled_processes
+from prime_composer.config.processes import enabled_processes, node_processes, ranks_per_node
 from prime_composer.config.resolve import (
     ENV_PREFIX,
     PRIME_RL_NAMES,
@@ -31,7 +33,7 @@ from prime_composer.config.resolve import (
     finalize_rl_config,
     set_shared,
 )
-from prime_composer.config.rl import RLConfig
+from prime_composer.config.rl import RLConfig, split_endpoint
 from prime_composer.io import atomic_write_text
 from prime_composer.launch import teachers
 from prime_composer.launch.launcher import Launcher, LaunchResult
@@ -39,16 +41,18 @@ from prime_composer.launch.preflight import preflight
 from prime_composer.launch.process import ProcessSpec
 from prime_composer.launch.progress import Progress
 from prime_composer.launch.rundir import lock_run_dir, prepare_fresh, prepare_resume
+from prime_composer.netaddr import is_loopback
 from prime_composer.report import summary, write_report_png
 
 
-def write_resolved_configs(config: RLConfig) -> dict[str, Path]:
+def write_resolved_configs(config: RLConfig, config_dir: Path | None = None) -> dict[str, Path]:
     """``<output_dir>/configs/rl.json`` and one ``<process>.json`` per process; returns their paths.
+    (``config_dir``: elsewhere; a node that does not prepare ``output_dir`` writes its own.)
 
     Secrets never reach these files: configs hold the *names* of environment variables that
     hold secrets, and any secret-typed field is dumped redacted.
     """
-    config_dir = config.output_dir / "configs"
+    config_dir = config.output_dir / "configs" if config_dir is None else config_dir
     paths = {"rl": config_dir / "rl.json"}
     atomic_write_text(paths["rl"], json.dumps(config.model_dump(mode="json"), indent=2) + "\n")
     for process in enabled_processes(config):
@@ -105,14 +109,13 @@ def check_resumed_model(config: RLConfig) -> None:
 def build_specs(config: RLConfig, config_paths: dict[str, Path]) -> list[ProcessSpec]:
     """The processes of one run (``config/processes.py``), in start order."""
     specs = []
-    for process in enabled_processes(config):
+    for process in node_processes(config):
         if process.name == "inference" and config.inference.num_replicas > 1:
             specs += _replica_specs(config, config_paths, process.module, process.health_path or "/health")
             continue
         argv = ["-m", process.module, "@", str(config_paths[process.name])]
-        num_ranks = process.num_ranks(config) if process.num_ranks is not None else 1
-        if num_ranks > 1:
-            argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_ranks}", *argv]
+        if process.num_ranks is not None and process.num_ranks(config) > 1:
+            argv = [*torchrun_argv(config), *argv]
         health_url = None
         if process.health_path is not None:
             health_url = _health_url(getattr(config, process.name), process.health_path)
@@ -128,6 +131,47 @@ def build_specs(config: RLConfig, config_paths: dict[str, Path]) -> list[Process
             )
         )
     return specs
+
+
+def torchrun_argv(config: RLConfig) -> list[str]:
+    """``-m prime_composer.launch.torchrun ...``: this node's share of the trainer's ranks.
+
+    One node: a standalone rendezvous on a free loopback port. Several: torchrun's c10d
+    rendezvous at ``launch.rdzv_endpoint`` (hosted by node 0; ``is_host`` is explicit, so several
+    "nodes" on one host work), one run id for all nodes (from ``output_dir``), no restarts (a
+    failed rank fails the run, which ``--resume`` continues). Every server it starts listens on
+    the endpoint's host on node 0, and on the address that reaches it elsewhere
+    (``launch/torchrun.py``)."""
+    launch = config.launch
+    per_node = ranks_per_node(config)
+    if launch.nodes == 1:
+        return [
+            "-m",
+            "prime_composer.launch.torchrun",
+            "--bind-host",
+            "127.0.0.1",
+            "--standalone",
+            "--local-addr=127.0.0.1",
+            f"--nproc-per-node={per_node}",
+        ]
+    host, _ = split_endpoint(launch.rdzv_endpoint)
+    first = launch.node_rank == 0
+    run_id = "prime-composer-" + hashlib.sha256(str(config.output_dir.resolve()).encode()).hexdigest()[:16]
+    bind = host if first or is_loopback(host) else f"route:{host}"
+    return [
+        "-m",
+        "prime_composer.launch.torchrun",
+        "--bind-host",
+        bind,
+        f"--nnodes={launch.nodes}",
+        f"--node-rank={launch.node_rank}",
+        f"--nproc-per-node={per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={launch.rdzv_endpoint}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf=is_host={str(first).lower()},join_timeout={int(launch.rdzv_timeout_s)}",
+        "--max-restarts=0",
+    ]
 
 
 def _replica_specs(
@@ -239,12 +283,69 @@ def _use_model(config: RLConfig, path: Path) -> None:
     set_shared(config, "model.gguf_file", None)
 
 
+def is_head(config: RLConfig) -> bool:
+    """Whether this ``rl`` prepares ``output_dir``: the one that starts the orchestrator (node 0
+    unless ``launch.processes`` says otherwise). The others touch nothing in it until their
+    processes start, and write their own configs and logs under ``nodes/node-<rank>/``."""
+    return "orchestrator" in {p.name for p in node_processes(config)}
+
+
+def node_dir(config: RLConfig) -> Path:
+    """The configs and logs of an ``rl`` that is not the head: ``<output_dir>/nodes/node-<rank>``
+    on a trainer node, ``<output_dir>/nodes/<host name>`` on a node without trainer ranks."""
+    if "trainer" in {p.name for p in node_processes(config)}:
+        return config.output_dir / "nodes" / f"node-{config.launch.node_rank}"
+    return config.output_dir / "nodes" / socket.gethostname()
+
+
 def launch(config: RLConfig, argv: Sequence[str]) -> int:
     preflight(config)
+    if not is_head(config):
+        return _launch_node(config, argv)
     # One run per directory: taken before anything in it is read or deleted, held to the end.
     lock = lock_run_dir(config.output_dir, command="uv run rl " + shlex.join(argv))
     try:
         return _launch_locked(config, argv)
+    finally:
+        lock.release()
+
+
+def _launch_node(config: RLConfig, argv: Sequence[str]) -> int:
+    """A node that is not the head: its trainer ranks (and whatever ``launch.processes`` adds),
+    with the head's ``output_dir`` as it is. Its ranks meet the head's in the rendezvous, which
+    the head joins only once the directory is prepared, so nothing here races the head's
+    clean-up; on ``--resume`` the trainer finds the newest complete checkpoint itself, and all
+    ranks check that they resume from the same step."""
+    here = node_dir(config)
+    lock = lock_run_dir(here, command="uv run rl " + shlex.join(argv))  # one rl per node rank
+    try:
+        if config.warmup.enabled:  # the head runs the warm-up; this node trains its result
+            _use_model(config, config.output_dir / "sft" / "final")
+        specs = build_specs(config, write_resolved_configs(config, here / "configs"))
+        names = ", ".join(spec.name for spec in specs)
+        print(
+            f"rl: {here.name}: starting {names}; output in "
+            f"{config.output_dir} (prepared by the node that runs the orchestrator), logs in {here / 'logs'}",
+            flush=True,
+        )
+        progress = Progress(config.output_dir / "metrics", config.max_steps, live=config.launch.progress)
+        launcher = Launcher(
+            specs,
+            here / "logs",
+            on_tick=progress.tick,
+            health_timeout_s=config.launch.health_timeout_s,
+            stop_timeout_s=config.launch.stop_timeout_s,
+            poll_s=min(0.2, config.launch.refresh_s),
+        )
+        try:
+            result = launcher.run()
+        finally:
+            progress.close()
+        if result.exit_code != 0:
+            print(f"rl: {here.name} stopped ({result.reason})", flush=True)
+            return result.exit_code
+        print(f"rl: {here.name} done", flush=True)
+        return 0
     finally:
         lock.release()
 

@@ -103,6 +103,7 @@ class Trainer:
     def resume(self) -> None:
         ckpt = self.config.ckpt
         step = resume_step(self.config.output_dir / "checkpoints", ckpt.resume_step, ckpt.parts)
+        check_same_resume_step(step, self.world)
         where = f"the trainer checkpoint of step {step} in {self.config.output_dir / 'checkpoints'}"
         saved = self.ckpt.read_extra(step)
         check_base(saved.get("lora"), self.lora_record, where)
@@ -276,6 +277,21 @@ def check_same_model(saved: dict[str, Any] | None, name: str, where: str) -> Non
         raise ValueError(
             f"{where} was trained from model.name = {saved.get('name')!r}, but this run's model.name is "
             f"{name!r}: resume with the model it was trained from, or start a new run (another output_dir)"
+        )
+
+
+def check_same_resume_step(step: int, world: World) -> None:
+    """Every rank resumes from the same step (another node's ``rl`` finds the newest complete
+    checkpoint itself): a ``RunError`` naming the steps otherwise, on every rank."""
+    if not world.is_distributed:
+        return
+    steps: list[Any] = [None] * world.world_size
+    torch.distributed.all_gather_object(steps, step)
+    if len(set(steps)) > 1:
+        raise RunError(
+            f"the trainer ranks would resume from different checkpoints (steps {sorted(set(steps))} by rank: "
+            f"{steps}); is output_dir the same shared directory on every node? Resume with "
+            "--ckpt.resume-step N on every node"
         )
 
 
