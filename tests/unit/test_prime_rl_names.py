@@ -143,19 +143,71 @@ def test_hendrycks_per_process_seq_len_and_an_eval_only_taskset() -> None:
     assert 'orchestrator.eval.source[0] = {"taskset": {"id": "aime24"}}' in joined
 
 
-def test_qwen3_30b_math_multi_node() -> None:
-    config, notes = resolve("@", str(FIXTURES / "qwen3-30b-math.toml"))
+def test_qwen3_30b_math_multi_node(tmp_path: Path) -> None:
+    urls = write(
+        tmp_path, '[orchestrator.client]\nbase_url = ["http://10.0.0.5:8000/v1", "http://10.0.0.6:8000/v1"]\n'
+    )
+    config, notes = resolve("@", str(FIXTURES / "qwen3-30b-math.toml"), "@", urls)
+    # 2 trainer nodes of 8 GPUs (PRIME-RL's default gpus_per_node), 2 inference nodes elsewhere.
+    assert (config.launch.nodes, config.trainer.num_ranks, config.orchestrator.num_train_ranks) == (2, 16, 16)
+    assert config.launch.remote_inference
+    assert config.orchestrator.base_url == ["http://10.0.0.5:8000/v1", "http://10.0.0.6:8000/v1"]
     orch = config.orchestrator
     assert (orch.seq_len, orch.batch_size, orch.max_off_policy_steps) == (32768, 512, 8)
     assert orch.sampling.max_tokens == 32768 and config.ckpt.interval == 100
     assert config.trainer.optim.lr == 1e-6 and config.inference.vllm.tensor_parallel_size == 8
     noted = {re.search(r": (\S+) = ", n).group(1) for n in notes}  # type: ignore[union-attr]
-    assert {"log.level", "weight_broadcast.type", "deployment.type", "slurm.job_name", "trainer.model.ep",
+    assert {"log.level", "weight_broadcast.type", "slurm.job_name", "trainer.model.ep",
             "orchestrator.concurrency.initial_inflight", "orchestrator.eval.source[0]"} <= noted  # fmt: skip
     assert "trainer.optim.type" not in noted  # adamw: the optimizer here, nothing to say
 
 
 # --------------------------------------------------------------------------------- mapping details
+
+
+def test_multi_node_deployment_maps_to_nodes_ranks_and_remote_inference(tmp_path: Path) -> None:
+    text = (
+        '[deployment]\ntype = "multi_node"\nnum_train_nodes = 3\nnum_infer_nodes = 1\ngpus_per_node = 4\n'
+        "nodes_per_fsdp_group = 1\n"
+        '[orchestrator.client]\nbase_url = ["http://infer-0:8000/v1"]\ntimeout = 60\n'
+    )
+    config, notes = resolve("@", str(FIXTURES / "reverse-text.toml"), "@", write(tmp_path, text))
+    assert (config.launch.nodes, config.trainer.num_ranks, config.launch.remote_inference) == (3, 12, True)
+    assert config.orchestrator.base_url == "http://infer-0:8000/v1"  # a list of one is one server
+    joined = "\n".join(notes)
+    assert "deployment.nodes_per_fsdp_group = 1" in joined and "orchestrator.client.timeout = 60" in joined
+    # Node 0 starts the orchestrator and its share of the ranks; no inference server.
+    from prime_composer.config.processes import node_processes
+
+    assert [p.name for p in node_processes(config)] == ["orchestrator", "trainer"]
+    text, problems = migrate(["@", str(FIXTURES / "reverse-text.toml"), "@", str(tmp_path / "c.toml")])
+    assert problems == []
+    assert "deployment.num_train_nodes = 3 -> launch.nodes" in text
+    assert (
+        "deployment.gpus_per_node = 4 -> trainer.num_ranks (num_train_nodes x gpus_per_node = 3 x 4" in text
+    )
+    assert "nodes = 3" in text and "num_ranks = 12" in text and "remote_inference = true" in text
+
+
+def test_inference_nodes_without_their_urls_is_a_line_to_edit(tmp_path: Path) -> None:
+    text = '[deployment]\ntype = "multi_node"\nnum_train_nodes = 2\nnum_infer_nodes = 2\n'
+    argv = ["@", str(FIXTURES / "reverse-text.toml"), "@", write(tmp_path, text)]
+    with pytest.raises(ConfigError, match=r"launch.remote_inference = true .* set orchestrator.base_url"):
+        resolve(*argv)
+    _, problems = migrate(argv)
+    assert len(problems) == 1 and "orchestrator.base_url" in problems[0]
+
+
+def test_single_node_deployment_changes_nothing(tmp_path: Path) -> None:
+    text = '[deployment]\ntype = "single_node"\nnum_train_gpus = 2\nnum_infer_gpus = 1\ngpus_per_node = 8\n'
+    config, _ = resolve("@", str(FIXTURES / "reverse-text.toml"), "@", write(tmp_path, text))
+    assert (config.launch.nodes, config.trainer.num_ranks, config.launch.remote_inference) == (1, 2, False)
+
+
+def test_an_unknown_deployment_type_is_refused(tmp_path: Path) -> None:
+    text = '[deployment]\ntype = "ray"\n'
+    with pytest.raises(ConfigError, match=r"deployment\.type = 'ray'"):
+        resolve("@", str(FIXTURES / "reverse-text.toml"), "@", write(tmp_path, text))
 
 
 def test_a_prime_rl_key_and_ours_for_the_same_setting_must_agree(tmp_path: Path) -> None:
@@ -304,8 +356,8 @@ def test_entries_of_our_free_form_tables_are_never_translated(tmp_path: Path) ->
 # ---------------------------------------------------------------------------------------- migrate
 
 
-MIGRATABLE = ["reverse-text", "reverse-text-2026-07", "reverse-text-2026-01", "wordle", "hendrycks-sanity",
-              "qwen3-30b-math"]  # fmt: skip
+MIGRATABLE = ["reverse-text", "reverse-text-2026-07", "reverse-text-2026-01", "wordle", "hendrycks-sanity"]
+"""(qwen3-30b-math has inference nodes without their URLs: one line to edit, tested above.)"""
 
 
 @pytest.mark.parametrize("name", MIGRATABLE)

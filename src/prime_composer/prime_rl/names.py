@@ -129,6 +129,7 @@ class _Translator:
         self._optim()
         self._seq_len()
         self._vllm_passthrough()
+        self._deployment()
         for key in list(self.flat):
             if _exists(self.model, key):
                 continue  # ours
@@ -422,6 +423,61 @@ class _Translator:
                 )
             else:
                 self._seat(key, value, full, origin)
+
+    def _deployment(self) -> None:
+        """``[deployment] type = "multi_node"``: ``num_train_nodes`` -> ``launch.nodes``, its nodes'
+        GPUs (``gpus_per_node``, 8 unless given) -> ``trainer.num_ranks`` (the ranks of all nodes),
+        and ``num_infer_nodes > 0`` -> ``launch.remote_inference`` (the servers' URLs are
+        ``orchestrator.client.base_url``). ``single_node`` is what ``rl`` does by default."""
+        kind = self.flat.get("deployment.type")
+        if kind is None and not any(
+            f"deployment.{k}" in self.flat for k in ("num_train_nodes", "num_infer_nodes")
+        ):
+            return
+        origin = self.origin("deployment")
+        if kind is not None:
+            self.flat.pop("deployment.type")
+            if kind not in ("single_node", "multi_node"):
+                self.note(
+                    "unsupported",
+                    "deployment.type",
+                    kind,
+                    origin,
+                    "a deployment is single_node or multi_node",
+                    "launch.nodes",
+                )
+                return
+            why = (
+                "rl runs the processes of this node"
+                if kind == "single_node"
+                else "rl runs on every node with its own launch.node_rank (infra/multinode/slurm.sbatch)"
+            )
+            self.note("same", "deployment.type", kind, origin, why)
+            if kind == "single_node":
+                return
+        nodes = self.flat.pop("deployment.num_train_nodes", 1)
+        self.put("launch.nodes", nodes, "deployment.num_train_nodes", origin, "trainer nodes")
+        gpus = self.flat.pop("deployment.gpus_per_node", 8)
+        if isinstance(nodes, int) and isinstance(gpus, int):
+            self.put(
+                "trainer.num_ranks",
+                nodes * gpus,
+                "deployment.gpus_per_node",
+                origin,
+                f"num_train_nodes x gpus_per_node = {nodes} x {gpus}: the trainer ranks of all nodes",
+                shown=gpus,
+            )
+        infer = self.flat.pop("deployment.num_infer_nodes", 0)
+        if infer:
+            self.put(
+                "launch.remote_inference",
+                True,
+                "deployment.num_infer_nodes",
+                origin,
+                f"{infer} inference nodes run the servers (rl --launch.processes '[\"inference\"]' on each); "
+                "the orchestrator calls orchestrator.base_url",
+                shown=infer,
+            )
 
     def _output_dir(self) -> None:
         """PRIME-RL writes to ``output_dir / run.name``; here ``output_dir`` is the run directory."""

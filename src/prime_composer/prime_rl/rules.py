@@ -147,14 +147,23 @@ RULES: tuple[Rule, ...] = (
     ignored("wandb.log_extras.*", "samples and distributions are not logged to W&B"),
     ignored("dry_run", "not a config key here", "the --dry-run flag"),
     unsupported("model.vlm.*", "only text models are trained", "remove it"),
-    ignored("slurm.*", "there is no SLURM launcher", "run `uv run rl` inside the allocation, on one node"),
+    ignored(
+        "slurm.*",
+        "rl does not submit jobs",
+        "sbatch infra/multinode/slurm.sbatch (rl on every node of the allocation)",
+    ),
     rename("deployment.num_train_gpus", "trainer.num_ranks"),
     ignored(
         "deployment.num_infer_gpus",
         "the inference server is one replica",
         "inference.vllm.tensor_parallel_size and launch.gpus.inference",
     ),
-    ignored("deployment.*", "one node, processes started by rl", "trainer.num_ranks"),
+    # deployment.type, num_train_nodes, num_infer_nodes and (multi_node) gpus_per_node: names.py
+    ignored(
+        "deployment.nodes_per_fsdp_group",
+        "FSDP2 shards over every rank of every node (no HSDP islands)",
+    ),
+    ignored("deployment.*", "rl starts the processes of each node", "launch.nodes, trainer.num_ranks"),
     # ---- orchestrator
     rename("orchestrator.rollouts_per_example", "orchestrator.group_size"),
     unsupported("orchestrator.token_batch_size", "batches are counted in samples", "orchestrator.batch_size"),
@@ -175,6 +184,16 @@ RULES: tuple[Rule, ...] = (
     rename("orchestrator.num_train_workers", "orchestrator.num_train_ranks"),
     ignored("orchestrator.pad_to_multiple_of", "there is no context parallelism"),
     ignored("orchestrator.renderer.*", "prompts are rendered with the model tokenizer's chat template"),
+    rename(
+        "orchestrator.client.base_url",
+        "orchestrator.base_url",
+        convert=lambda v: v[0] if isinstance(v, list) and len(v) == 1 else v,
+    ),
+    ignored(
+        "orchestrator.client.*",
+        "the orchestrator's client settings are its own",
+        "orchestrator.base_url, orchestrator.inference_secret_env",
+    ),
     ignored(
         "orchestrator.model.client.*",
         "rl starts the inference server and connects the orchestrator to it",
