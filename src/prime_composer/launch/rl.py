@@ -8,6 +8,10 @@ It resolves the config, writes each process's resolved config to ``<output_dir>/
 (so any process can be rerun alone: ``uv run trainer @ <output_dir>/configs/trainer.json``),
 starts the processes with logs in ``<output_dir>/logs/``, shows progress from
 ``<output_dir>/metrics/``, and stops everything together on error, Ctrl-C or SIGTERM.
+
+With ``launch.nodes > 1`` the same command runs on every node (``--launch.node-rank k``): node 0
+is the head (everything above, plus its share of the trainer's ranks), the others start their
+ranks only (``_launch_node``); see docs/architecture.md, "The trainer across nodes".
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ agent of group rank 0), and a TCPStore server listens on every interface whateve
 given. Neither authenticates. This wrapper hands each of them a socket bound to ``HOST`` only
 (``TCPStore(master_listen_fd=...)``), so the default ``launch.rdzv_endpoint = 127.0.0.1:...``
 keeps the trainer's rendezvous private to the machine and a cluster endpoint listens on the
-cluster address alone. With a loopback ``HOST`` the ranks' gloo sockets are put on ``lo`` too
+cluster address alone (``route:PEER``, on a node other than 0: the address this machine reaches
+node 0 from; it is also the ``--local-addr`` the agent advertises). With a loopback ``HOST`` the ranks' gloo sockets are put on ``lo`` too
 (``GLOO_SOCKET_IFNAME``, unless set). Then it runs ``torch.distributed.run`` unchanged.
 
 If this torch version creates its stores elsewhere, the wrapper refuses to start (it never falls
