@@ -72,8 +72,10 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rl(output_dir: Path, *extra: str) -> subprocess.Popen[str]:
+def _rl(output_dir: Path, *extra: str, prefix: list[str] | None = None) -> subprocess.Popen[str]:
+    """``rl`` on the stand-in orchestrator's batches (``prefix``: e.g. ``ip netns exec <ns>``)."""
     argv = [
+        *(prefix or []),
         sys.executable,
         "-m",
         "prime_composer.launch.rl",

@@ -8,8 +8,10 @@ given. Neither authenticates. This wrapper hands each of them a socket bound to 
 (``TCPStore(master_listen_fd=...)``), so the default ``launch.rdzv_endpoint = 127.0.0.1:...``
 keeps the trainer's rendezvous private to the machine and a cluster endpoint listens on the
 cluster address alone (``route:PEER``, on a node other than 0: the address this machine reaches
-node 0 from; it is also the ``--local-addr`` the agent advertises). With a loopback ``HOST`` the ranks' gloo sockets are put on ``lo`` too
-(``GLOO_SOCKET_IFNAME``, unless set). Then it runs ``torch.distributed.run`` unchanged.
+node 0 from; it is also the ``--local-addr`` the agent advertises). The ranks' gloo and NCCL
+sockets go on the interface that holds ``HOST`` (``lo`` for loopback), unless
+``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` already say otherwise. Then it runs
+``torch.distributed.run`` unchanged.
 
 If this torch version creates its stores elsewhere, the wrapper refuses to start (it never falls
 back to listening on every interface).
@@ -77,6 +79,22 @@ def route_address(peer: str) -> str:
         return str(sock.getsockname()[0])
 
 
+def interface_of(address: str) -> str | None:
+    """The network interface whose IPv4 address is ``address`` (Linux ``SIOCGIFADDR``), if any."""
+    import fcntl
+    import struct
+
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            try:
+                packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == address:
+            return name
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2 or args[0] != "--bind-host":
@@ -89,8 +107,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not any(a.startswith(("--local-addr", "--local_addr")) for a in rest):
         # The agent of global rank 0 hosts the ranks' store and advertises this address for it.
         rest = [f"--local-addr={host}", *rest]
-    if is_loopback(host):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    interface = "lo" if is_loopback(host) else interface_of(host)
+    if interface is not None:  # the ranks' gloo/NCCL sockets on the same interface (unless set)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
     bind_stores_to(host)
     from torch.distributed.run import main as torchrun_main
 
