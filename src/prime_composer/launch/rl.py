@@ -160,6 +160,7 @@ def torchrun_argv(config: RLConfig) -> list[str]:
         ]
     host, _ = split_endpoint(launch.rdzv_endpoint)
     first = launch.node_rank == 0
+    timeout = int(launch.rdzv_timeout_s)
     run_id = "prime-composer-" + hashlib.sha256(str(config.output_dir.resolve()).encode()).hexdigest()[:16]
     bind = host if first or is_loopback(host) else f"route:{host}"
     return [
@@ -173,7 +174,9 @@ def torchrun_argv(config: RLConfig) -> list[str]:
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={launch.rdzv_endpoint}",
         f"--rdzv-id={run_id}",
-        f"--rdzv-conf=is_host={str(first).lower()},join_timeout={int(launch.rdzv_timeout_s)}",
+        # read_timeout: how long a node's agent keeps trying to reach node 0's store (node 0 starts
+        # its trainer after its warm-up and a healthy inference server, minutes later).
+        f"--rdzv-conf=is_host={str(first).lower()},join_timeout={timeout},read_timeout={timeout}",
         "--max-restarts=0",
     ]
 
