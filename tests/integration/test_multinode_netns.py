@@ -1,11 +1,11 @@
 """The trainer across two machines, modelled as two network namespaces joined by shaped veth links
 (``infra/diloco/netsim.py``: a bridge, ``tc tbf``): node 0 (``10.77.0.1``) hosts the c10d
-rendezvous, node 1 (``10.77.0.2``) joins it, 2 + 2 gloo ranks over the link. This is the path a
+rendezvous, node 1 (``10.77.0.2``) joins it, one gloo rank each over the link. This is the path a
 cluster takes (an endpoint off loopback, ``launch.private_network``, node 1 finding its own
 address, gloo on the interface of that address), which one host's loopback never exercises.
 
 Each namespace's listening sockets are on that namespace's address only (never a wildcard), and
-the losses equal one process training on all four ranks' batches in this test (an unsharded
+the losses equal one process training on both ranks' batches in this test (an unsharded
 computation, to 1e-6). The namespaces share the filesystem, which stands for the shared
 ``output_dir`` a cluster needs; the batches come from the stand-in orchestrator of
 ``test_multinode_trainer.py``.
@@ -24,13 +24,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "infra" / "diloco"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from netsim import NetSim, available
-from test_multinode_trainer import NUM_RANKS, _losses, _orchestrate, _rl, _samples
+from test_multinode_trainer import _losses, _orchestrate, _rl, _samples
 
 from prime_composer.config.resolve import resolve_rl_config
 from prime_composer.orchestrator.packing import pack_step
 
 STEPS = 2
 PORT = 29470
+NUM_RANKS = 2
+"""One rank per node: the link is what is tested (2 + 2 ranks on one host: test_multinode_trainer.py)."""
 
 
 def _listening(prefix: list[str]) -> set[str]:
@@ -55,10 +57,11 @@ def _unsharded_losses(tmp_path: Path, flags: list[str]) -> dict[int, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.netns
 @pytest.mark.skipif(available() is not None, reason=f"network namespaces: {available()}")
 def test_two_nodes_in_two_namespaces_train_like_one_process(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    _orchestrate(run)
+    _orchestrate(run, NUM_RANKS)
     with NetSim(num_dcs=2, rate_mbit=200) as net:
         nodes = [
             "--launch.nodes",
@@ -69,6 +72,8 @@ def test_two_nodes_in_two_namespaces_train_like_one_process(tmp_path: Path) -> N
             "true",
             "--max-steps",
             str(STEPS),
+            "--trainer.num-ranks",
+            str(NUM_RANKS),
         ]
         procs = [_rl(run, *nodes, "--launch.node-rank", str(k), prefix=net.prefix(k)) for k in (0, 1)]
         seen: list[set[str]] = [set(), set()]

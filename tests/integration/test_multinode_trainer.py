@@ -56,11 +56,11 @@ def _samples(step: int) -> list[Sample]:
     return out
 
 
-def _orchestrate(output_dir: Path) -> None:
+def _orchestrate(output_dir: Path, num_ranks: int = NUM_RANKS) -> None:
     """What the orchestrator would leave: batches of every step, its checkpoint parts (steps 2, 4)."""
     sender = FilesystemSender(output_dir, TransportConfig(keep_last_steps=MAX_STEPS + 1))
     for step in range(MAX_STEPS):
-        batches, _ = pack_step(_samples(step), 32, 1, NUM_RANKS, pad_token_id=0)
+        batches, _ = pack_step(_samples(step), 32, 1, num_ranks, pad_token_id=0)
         sender.send(step, batches)
     for step in (2, MAX_STEPS):
         OrchestratorState(step=step).save(output_dir / "checkpoints", keep=3, parts=DEFAULT_PARTS)
