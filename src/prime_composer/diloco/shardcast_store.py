@@ -209,6 +209,14 @@ class Origin:
     def publish(self, kind: Kind, round_: int, data: bytes) -> None:
         """Serve ``data`` as the version of (``kind``, ``round_``); drop the oldest versions."""
         version = version_of(kind, round_)
+        try:
+            self._publish(version, data)
+        except OSError as e:  # a write error has no file name: say where it was writing
+            if e.filename is None:
+                raise OSError(e.errno, e.strerror, str(self.directory / version)) from e
+            raise
+
+    def _publish(self, version: str, data: bytes) -> None:
         with self._lock:
             final = self.directory / version
             tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=self.directory))
