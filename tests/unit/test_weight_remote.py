@@ -108,3 +108,47 @@ def test_altered_or_substituted_steps_are_refused(
         assert request(Peer(url, "weights", key, pin), "GET", path, deadline, 4096)[0] == 404, path
     with pytest.raises(RemoteWeightsError, match="pin"):
         fetch_step(url, "sha256:" + "00" * 32, SECRET, 1, worker_root)
+
+
+class _Recorder:
+    """A ``WeightTarget`` that loads what it is given as the hf server does (``load_weights``)."""
+
+    def __init__(self) -> None:
+        self.loaded: list[tuple[Path, dict[str, torch.Tensor]]] = []
+
+    async def load_weights(self, path: Path) -> None:
+        self.loaded.append((path, load_weights(path)))
+
+    async def load_adapter(self, path: Path) -> None:
+        raise AssertionError("no adapter here")
+
+    async def reload_base(self) -> None:
+        raise AssertionError("not called")
+
+
+def test_update_weights_fetches_the_named_step_from_the_trainer_side(origin, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from prime_composer.inference.guard import APIError
+    from prime_composer.inference.weight_updates import WeightUpdates
+    from prime_composer.transport.remote import RemoteWeights
+
+    url, pin, broadcasts = origin
+    publish_weights(_state(5), {"model_type": "toy"}, broadcasts, 5)
+    worker_root = tmp_path / "worker" / "broadcasts"
+    updates = WeightUpdates(worker_root, remote=RemoteWeights(url, pin, SECRET))
+    target = _Recorder()
+    # The orchestrator names the trainer's own path, which does not exist on the worker.
+    body = json.dumps({"path": str(broadcasts.resolve() / "step_5")}).encode()
+    answer = asyncio.run(updates.update(body, target))
+    assert answer["step"] == 5 and answer["path"] == str((worker_root / "step_5").resolve())
+    assert updates.current["step"] == 5
+    ((path, state),) = target.loaded
+    assert path.is_relative_to(worker_root.resolve())
+    for k, v in _state(5).items():
+        assert torch.equal(state[k], v)
+    # A step the trainer side does not have: 502, and what is served stays.
+    with pytest.raises(APIError) as caught:
+        asyncio.run(updates.update(json.dumps({"path": "step_9"}).encode(), target))
+    assert caught.value.status == 502 and "step 9" in caught.value.message
+    assert updates.current["step"] == 5 and len(target.loaded) == 1

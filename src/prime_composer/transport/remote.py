@@ -19,8 +19,9 @@ DiLoCo links (``diloco/auth.py``, ``diloco/tls.py``, ``diloco/transport.py``):
 Routes: ``/health``; ``/latest`` (``{"step": N}``, the newest ``STABLE`` step); ``/step_<N>/<file>``
 for ``MANIFEST.json``, ``MANIFEST.sig`` and the files the manifest lists (nothing else).
 
-What is not here yet: a worker process that polls ``/latest`` and swaps the weights into a running
-inference server, and the orchestrator treating such a server like a local one.
+An inference server uses it through ``inference/weight_updates.py``: given a ``RemoteWeights``,
+its ``/update_weights`` fetches the step the orchestrator names into its own root before loading
+it, so the orchestrator drives it as it drives a local one.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import ssl
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -200,6 +202,22 @@ def latest_step(url: str, fingerprint: str | None, secret: bytes, timeout_s: flo
     if step is not None and (type(step) is not int or step < 0):
         raise RemoteWeightsError(f"{url}/latest: not a step ({step!r})")
     return step
+
+
+@dataclass(frozen=True)
+class RemoteWeights:
+    """Where an inference server fetches published steps from: the trainer side's origin."""
+
+    url: str
+    fingerprint: str | None
+    secret: bytes = field(repr=False)
+    timeout_s: float = 300.0
+
+    def fetch(self, step: int, root: Path) -> Path:
+        return fetch_step(self.url, self.fingerprint, self.secret, step, root, self.timeout_s)
+
+    def latest(self) -> int | None:
+        return latest_step(self.url, self.fingerprint, self.secret)
 
 
 def fetch_step(
