@@ -32,8 +32,8 @@ shares the fetch's deadline (a trickling peer cannot stretch it). A version refu
 size, shard count or checksum is remembered (by its checksum) and counted once in
 ``ShardcastStore.refused``: asking again returns ``None`` without downloading it again.
 
-With a relay (``diloco.relay``, ``relay.py``): every payload is also published, sealed, to the
-relay, and a peer listed without URLs (a DC behind NAT) is listed and fetched from the relay
+With a relay (``diloco.relay``, ``relay.py``): every grad and commit is also published, sealed,
+to the relay (states too when the origin is on loopback, see ``relay_states``), and a peer listed without URLs (a DC behind NAT) is listed and fetched from the relay
 instead of its origin; what it returns goes through the same checks as a direct download.
 
 Failures come back as ``None`` (data), never as exceptions.
@@ -67,6 +67,7 @@ from prime_composer.diloco.relay import RelayClient
 from prime_composer.diloco.tls import server_context
 from prime_composer.diloco.transport import Peer, TransportError, request
 from prime_composer.io import atomic_write_bytes
+from prime_composer.netaddr import is_loopback
 
 if TYPE_CHECKING:
     from prime_composer.config.diloco import DilocoConfig
@@ -409,6 +410,11 @@ class ShardcastStore:
             window_s=window_s,
         )
         key = transport_key(secret) if secret else None
+        self.relay_states = is_loopback(host)
+        """Whether this DC's ``state`` payloads (8 bytes a value of a fragment, each round it
+        commits: ~8x an int4 grad) go to the relay too: only when its origin is on loopback, so
+        that no peer can reach it. A DC that serves other machines keeps them on its origin, and
+        every peer lists it with its URL (a peer catching up downloads states from there)."""
         self.relayed = {c for c, urls in peers.items() if not urls}
         """Peers without URLs: fetched from the relay."""
         if self.relayed and (relay is None or cluster_id is None):
@@ -461,7 +467,7 @@ class ShardcastStore:
 
     def publish(self, kind: Kind, round_: int, data: bytes) -> None:
         self.origin.publish(kind, round_, data)
-        if self.relay is not None:
+        if self.relay is not None and (kind != "state" or self.relay_states):
             assert self.cluster_id is not None
             if not self.relay.publish(self.cluster_id, kind, round_, data, self.publish_timeout_s):
                 logger.warning("diloco: publishing %s of round %d to the relay failed", kind, round_)
