@@ -271,3 +271,78 @@ def fetch_step(
         raise
     atomic_write_text(target / STABLE_MARKER, json.dumps({"step": step}) + "\n")
     return target
+
+
+# -------------------------------------------------------------------------------------- command
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``serve`` the trainer side's ``broadcasts/``, or ``fetch`` one step (or the newest) as a worker."""
+    import argparse
+    import signal
+    import sys
+
+    from prime_composer.config.diloco import normalize_fingerprint
+    from prime_composer.diloco.tls import fingerprint_of_pem, server_context
+    from prime_composer.netaddr import is_loopback
+
+    parser = argparse.ArgumentParser(prog="python -m prime_composer.transport.remote", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the published steps under --root (the trainer side)")
+    serve.add_argument("--root", type=Path, required=True, help="the trainer's <output_dir>/broadcasts")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=7900)
+    serve.add_argument("--tls-cert", type=Path)
+    serve.add_argument("--tls-key", type=Path)
+    serve.add_argument("--private-network", action="store_true", help="allow plain HTTP off loopback")
+    fetch = sub.add_parser("fetch", help="download one step into --root (the worker side)")
+    fetch.add_argument("--url", required=True, help="https://host:port of the trainer side")
+    fetch.add_argument(
+        "--fingerprint", help="its certificate's sha256 (from `python -m prime_composer.diloco.tls`)"
+    )
+    fetch.add_argument("--root", type=Path, required=True, help="the worker's own broadcasts root")
+    fetch.add_argument("--step", type=int, help="the step (default: the newest)")
+    for p in (serve, fetch):
+        p.add_argument("--secret-env", required=True, help="environment variable holding the shared secret")
+    args = parser.parse_args(argv)
+    secret = os.environ.get(args.secret_env, "").encode()
+    if not secret:
+        print(f"--secret-env {args.secret_env}: that environment variable is unset or empty", file=sys.stderr)
+        return 2
+    if args.command == "fetch":
+        try:
+            fingerprint = None if args.fingerprint is None else normalize_fingerprint(args.fingerprint)
+            source = RemoteWeights(args.url, fingerprint, secret)
+            step = args.step if args.step is not None else source.latest()
+            if step is None:
+                print(f"{args.url} serves no step yet", file=sys.stderr)
+                return 1
+            print(source.fetch(step, args.root))
+        except (ValueError, RemoteWeightsError) as e:
+            print(f"fetch failed: {e}", file=sys.stderr)
+            return 1
+        return 0
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("--tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    if args.tls_cert is None and not is_loopback(args.host) and not args.private_network:
+        print(f"--host {args.host}: plain HTTP to other machines needs --private-network", file=sys.stderr)
+        return 2
+    try:
+        tls = None if args.tls_cert is None else server_context(args.tls_cert, args.tls_key)
+    except ValueError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    server = WeightsOrigin(args.root, args.host, args.port, secret, tls=tls)
+    pin = f" fingerprint {fingerprint_of_pem(args.tls_cert)}" if args.tls_cert is not None else ""
+    print(f"weights origin ready on {args.host}:{server.port}{pin}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
