@@ -45,6 +45,17 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
+def test_the_origin_shares_the_step_layout_of_transport_weights(tmp_path: Path) -> None:
+    from prime_composer.transport import weights
+
+    assert remote.STABLE_MARKER == weights.STABLE_MARKER
+    for step in (3, 12):
+        publish_weights(_state(step), {"model_type": "toy"}, tmp_path, step)
+    (tmp_path / "step_40").mkdir()  # not STABLE
+    assert remote.latest_stable(tmp_path) == weights.latest_stable(tmp_path) == (12, tmp_path / "step_12")
+    assert remote.step_path(tmp_path, 3) == weights.step_path(tmp_path, 3)
+
+
 def test_a_fetched_step_loads_to_the_published_tensors(origin, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     url, pin, broadcasts = origin
     assert latest_step(url, pin, SECRET) is None

@@ -46,12 +46,31 @@ from prime_composer.diloco.auth import AUTH_HEADER, Verifier, hkdf_sha256
 from prime_composer.diloco.transport import Peer, TransportError, request
 from prime_composer.integrity import MANIFEST_NAME
 from prime_composer.io import atomic_write_bytes, atomic_write_text
-from prime_composer.transport.weights import STABLE_MARKER, latest_stable, step_path
 
+STABLE_MARKER = "STABLE"
+"""``transport/weights.py``'s marker of a complete step, repeated here so that serving and
+fetching import no torch (a download sidecar needs none)."""
+_STEP_DIR = re.compile(r"^step_(\d+)$")
 AUDIENCE = "weights"
 SIGNATURE_NAME = "MANIFEST.sig"
 MAX_MANIFEST_BYTES = 1 << 20
 _PATH = re.compile(r"^/step_(?P<step>\d{1,12})/(?P<name>[A-Za-z0-9_.-]{1,128}(?:/[A-Za-z0-9_.-]{1,128})*)$")
+
+
+def step_path(root: Path, step: int) -> Path:
+    return Path(root) / f"step_{step}"
+
+
+def latest_stable(root: Path) -> tuple[int, Path] | None:
+    """The newest ``step_<N>`` under ``root`` with its ``STABLE`` marker, or None."""
+    if not Path(root).is_dir():
+        return None
+    steps = [
+        (int(m.group(1)), p)
+        for p in Path(root).iterdir()
+        if (m := _STEP_DIR.match(p.name)) and (p / STABLE_MARKER).is_file()
+    ]
+    return max(steps, default=None)
 
 
 class RemoteWeightsError(Exception):
