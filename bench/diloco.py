@@ -7,18 +7,24 @@
    ``int8`` and ``int4``; each DC sends its payload once per H steps to each of the N - 1 = 1
    peers, plus the round's commit.
 2. **Compute utilisation.** Two toy DCs (``prime_composer.diloco.toy``) in network namespaces
-   joined by links shaped with ``tc tbf`` to 20 Mbit/s each way, int4, H = 50, P = 5; every inner
-   step is padded to a fixed compute time (as a GPU step that leaves the CPU to the exchange).
-   Utilisation = compute time / wall time, from the first step to the last. Without overlap
-   (tau = 0) each sync blocks; with overlap (tau = 8) it runs behind 8 inner steps. The model is
-   sized so that one unoverlapped sync costs >= 30% of the compute between syncs (printed).
-   The bytes each DC really put on its link are read from its interface counters.
+   joined by links shaped with ``tc tbf`` to 20 Mbit/s each way, int4, H = 50, P = 5. Every inner
+   step is a real AdamW step of the MLP (forward, backward, optimizer; ``--batch`` rows, one
+   thread), timed by the DC itself: utilisation = measured compute time / wall time, from the
+   first step to the last, and the table prints the measured step time it divides by. The
+   exchange shares the CPU with that compute (quantization, TLS, hashing), as it would on a host.
+   Four runs: plain HTTP (``private_network``) without overlap (tau = 0) and with it (tau = 8),
+   pinned TLS between the origins (tau = 8), and the relay in a third namespace (tau = 8): dc-1
+   has no reachable origin, publishes its payloads to the relay and fetches dc-0's origin
+   directly; dc-0 fetches dc-1's payloads from the relay. Next to the payload
+   bytes a DC publishes per inner step, the table gives the bytes its interface really sent and
+   received (``/proc/net/dev`` in its namespace: headers, TLS records, polling, commits).
 
-Needs root for the namespaces (run under the heavy lock; ~2 minutes):
+Needs root for the namespaces (run under the heavy lock; ~3 minutes):
 
     flock /tmp/prime-composer-heavy.lock uv run python bench/diloco.py
 
-Last line: ``bytes_reduction=X utilization=Y`` (X for int4, Y with overlap).
+Last line: ``bytes_reduction=X utilization=Y utilization_tls=Z utilization_relay=W`` (X for int4;
+Y, Z, W with overlap over plain HTTP, TLS and the relay).
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ from netsim import NetSim, available  # noqa: E402
 from prime_composer.config.diloco import DilocoConfig  # noqa: E402
 from prime_composer.diloco.payload import encode, grad_body  # noqa: E402
 from prime_composer.diloco.quantize import quantize  # noqa: E402
+from prime_composer.diloco.relay import relay_key  # noqa: E402
+from prime_composer.diloco.tls import generate  # noqa: E402
 from prime_composer.diloco.toy import make_model, read_log, spawn  # noqa: E402
 
 SECRET_ENV = "DILOCO_BENCH_SECRET"
@@ -119,31 +127,98 @@ def payload_bytes(delta: torch.Tensor, quantization: str, block_size: int = 128)
     return len(encode(header, body, b"secret"))
 
 
-def run_dcs(net: NetSim, root: Path, args: argparse.Namespace, tau: int) -> list[dict]:
-    """Two toy DCs in their namespaces; their ``done`` records plus interface byte counters."""
-    ports = [7801, 7801]
-    configs = [
-        DilocoConfig(
-            enabled=True,
-            cluster_id=f"dc-{i}",
-            host=net.address(i),
-            port=ports[i],
-            peers=[{"cluster_id": f"dc-{1 - i}", "urls": [f"http://{net.address(1 - i)}:{ports[1 - i]}"]}],  # type: ignore[list-item]
-            secret_env=SECRET_ENV,
-            sync_every=args.sync_every,
-            num_fragments=args.num_fragments,
-            fragment_sync_delay=tau,
-            fragment_update_alpha=0.5 if tau else 0.0,
-            quantization="int4",
-            round_deadline_s=60.0,
-            poll_interval_s=0.02,
+MODES = ("http", "tls", "relay")
+"""How the DCs reach each other: plain HTTP on a private network, pinned TLS between their
+origins, or pinned TLS through the relay (``diloco/relay.py``, in a third namespace), which every
+payload then crosses twice (up from its sender, down to its reader)."""
+
+
+def _configs(net: NetSim, root: Path, args: argparse.Namespace, tau: int, mode: str) -> list[DilocoConfig]:
+    pins = [generate(root / f"tls-{i}", f"dc-{i}") for i in range(3)] if mode != "http" else []
+    configs = []
+    for i in range(2):
+        other = 1 - i
+        fields: dict = {}
+        if mode == "http":
+            peer = {"cluster_id": f"dc-{other}", "urls": [f"http://{net.address(other)}:7801"]}
+            fields["private_network"] = True
+        elif mode == "tls":
+            peer = {"cluster_id": f"dc-{other}", "urls": [f"https://{net.address(other)}:7801"]}
+            peer["fingerprint"] = pins[other]
+        else:  # dc-1 has no inbound port: it publishes to the relay, dc-0 fetches it from there
+            peer = (
+                {"cluster_id": "dc-1"}
+                if i == 0
+                else {"cluster_id": "dc-0", "urls": [f"https://{net.address(0)}:7801"]}
+            )
+            if i == 1:
+                peer["fingerprint"] = pins[0]
+            fields["relay"] = f"{net.address(2)}:7800@{pins[2]}"
+        if mode == "tls" or (mode == "relay" and i == 0):
+            fields |= {"tls_cert": root / f"tls-{i}" / "cert.pem", "tls_key": root / f"tls-{i}" / "key.pem"}
+        configs.append(
+            DilocoConfig(
+                enabled=True,
+                cluster_id=f"dc-{i}",
+                host=net.address(i) if mode != "relay" or i == 0 else "127.0.0.1",
+                port=7801,
+                peers=[peer],  # type: ignore[list-item]
+                secret_env=SECRET_ENV,
+                sync_every=args.sync_every,
+                num_fragments=args.num_fragments,
+                fragment_sync_delay=tau,
+                fragment_update_alpha=0.5 if tau else 0.0,
+                quantization="int4",
+                round_deadline_s=60.0,
+                poll_interval_s=0.02,
+                **fields,
+            )
         )
-        for i in range(2)
-    ]
+    return configs
+
+
+def _start_relay(net: NetSim, root: Path) -> subprocess.Popen[bytes]:
+    log = open(root / "relay.log", "wb")  # noqa: SIM115 - the child owns it
+    relay = subprocess.Popen(
+        [
+            *net.prefix(2),
+            sys.executable,
+            "-m",
+            "prime_composer.diloco.relay",
+            "serve",
+            "--host",
+            net.address(2),
+            "--port",
+            "7800",
+            "--tls-cert",
+            str(root / "tls-2" / "cert.pem"),
+            "--tls-key",
+            str(root / "tls-2" / "key.pem"),
+            "--key-env",
+            "RELAY_KEY",
+            "--dir",
+            str(root / "relay-store"),
+        ],
+        env={**os.environ, "RELAY_KEY": relay_key(b"bench").hex()},
+        stdout=log,
+        stderr=log,
+    )
+    until = time.monotonic() + 60
+    while b"relay ready" not in (root / "relay.log").read_bytes():
+        if relay.poll() is not None or time.monotonic() > until:
+            raise RuntimeError(f"the relay did not start: {(root / 'relay.log').read_text()}")
+        time.sleep(0.1)
+    return relay
+
+
+def run_dcs(net: NetSim, root: Path, args: argparse.Namespace, tau: int, mode: str) -> list[dict]:
+    """Two toy DCs in their namespaces; their ``done`` records plus interface byte counters."""
     root.mkdir(parents=True)
-    before = [_counters(net.prefix(i), "eth0")[1] for i in range(2)]
+    configs = _configs(net, root, args, tau, mode)
+    relay = _start_relay(net, root) if mode == "relay" else None
+    before = [_counters(net.prefix(i), "eth0") for i in range(2)]
     common = ["--steps", str(args.steps), "--width", str(args.width), "--depth", str(args.depth)]
-    common += ["--compute-s", str(args.compute_s)]
+    common += ["--batch", str(args.batch)]  # no --compute-s: every inner step is real compute
     procs = [
         spawn(c, root, *common, "--seed", str(i + 1), env={SECRET_ENV: "bench"}, prefix=net.prefix(i))
         for i, c in enumerate(configs)
@@ -163,11 +238,17 @@ def run_dcs(net: NetSim, root: Path, args: argparse.Namespace, tau: int) -> list
         (root / "STOP").touch()
         for p in procs:
             p.wait(timeout=30)
-    sent = [_counters(net.prefix(i), "eth0")[1] - before[i] for i in range(2)]
+        if relay is not None:
+            relay.terminate()
+            relay.wait(timeout=10)
+    after = [_counters(net.prefix(i), "eth0") for i in range(2)]
     out = []
-    for log, tx in zip(logs, sent, strict=True):
+    for log, b, a in zip(logs, before, after, strict=True):
         rounds = [r for r in log if "round" in r]
-        out.append(log[-1] | {"tx_bytes": tx, "round_s": [r["round_s"] for r in rounds]})
+        out.append(
+            log[-1]
+            | {"tx_bytes": a[1] - b[1], "rx_bytes": a[0] - b[0], "round_s": [r["round_s"] for r in rounds]}
+        )
     digests = {o["global_digest"] for o in out}
     assert len(digests) == 1, "the two DCs ended with different global weights"
     return out
@@ -182,9 +263,10 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=50)
     parser.add_argument("--num-fragments", type=int, default=5)
     parser.add_argument("--overlap", type=int, default=8, help="tau of the overlapped run")
-    parser.add_argument("--compute-s", type=float, default=0.06, help="compute time of one inner step")
+    parser.add_argument("--batch", type=int, default=32, help="rows per inner step (sets the real step time)")
     parser.add_argument("--rate-mbit", type=float, default=20.0)
-    parser.add_argument("--cycles", type=int, default=3, help="H-step cycles per utilisation run")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="links to measure")
+    parser.add_argument("--cycles", type=int, default=2, help="H-step cycles per utilisation run")
     args = parser.parse_args()
     reason = available()
     if reason:
@@ -196,7 +278,7 @@ def main() -> None:
         f"model: MLP {args.width} x {args.depth}, {numel / 1e6:.2f}M parameters, fp32 {numel * 4 / 1e6:.1f} MB"
     )
 
-    with NetSim(2, args.rate_mbit) as net:
+    with NetSim(3, args.rate_mbit) as net:  # the third namespace holds the relay
         ddp = ddp_bytes_per_step(net, numel)
         print(f"DDP fp32 all-reduce (gloo, 2 ranks, measured): {ddp / 1e6:.2f} MB sent per rank per step")
         delta = pseudo_gradient(args.width, args.depth, h)
@@ -210,27 +292,52 @@ def main() -> None:
             )
 
         s = h // args.num_fragments
+        # What a DC publishes per inner step: each fragment's int4 grad once per H steps, plus commits.
+        payload_per_step = (payload_bytes(delta, "int4") + args.num_fragments * 600) / h
         utilization = {}
+        runs = [(0, "http"), (args.overlap, "http"), (args.overlap, "tls"), (args.overlap, "relay")]
+        runs = [r for r in runs if r[1] in args.modes]
+        print(
+            "| link | tau | measured step s | compute s | wall s | utilisation | mean round s | "
+            "payload kB/step | wire tx kB/step | wire rx kB/step | wire / payload |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         with tempfile.TemporaryDirectory(prefix="bench-diloco-") as tmp:
-            for tau in (0, args.overlap):
+            for tau, mode in runs:
                 args.steps = args.cycles * h + tau  # ends right after an applied sync
-                done = run_dcs(net, Path(tmp) / f"tau{tau}", args, tau)
+                done = run_dcs(net, Path(tmp) / f"{mode}-tau{tau}", args, tau, mode)
                 util = sum(d["compute_s"] for d in done) / sum(d["wall_s"] for d in done)
-                utilization[tau] = util
+                utilization[(tau, mode)] = util
+                step_s = sum(d["compute_s"] for d in done) / len(done) / args.steps
                 sync = sum(sum(d["round_s"]) / len(d["round_s"]) for d in done) / len(done)
-                tx_per_step = sum(d["tx_bytes"] for d in done) / len(done) / args.steps
+                tx = sum(d["tx_bytes"] for d in done) / len(done) / args.steps
+                rx = sum(d["rx_bytes"] for d in done) / len(done) / args.steps
                 print(
-                    f"2 DCs at {args.rate_mbit:g} Mbit/s, int4, H={h}, P={args.num_fragments}, tau={tau}: "
-                    f"utilisation {util:.3f}; mean sync {sync:.2f} s = {sync / (s * args.compute_s):.0%} of the "
-                    f"{s * args.compute_s:.2f} s of compute between syncs; {tx_per_step / 1e3:.1f} kB sent per "
-                    f"inner step per DC on the wire ({ddp / tx_per_step:.0f}x below DDP)"
+                    f"| {mode} | {tau} | {step_s:.4f} | {sum(d['compute_s'] for d in done) / 2:.1f} | "
+                    f"{sum(d['wall_s'] for d in done) / 2:.1f} | {util:.3f} | {sync:.2f} | "
+                    f"{payload_per_step / 1e3:.1f} | {tx / 1e3:.1f} | {rx / 1e3:.1f} | {tx / payload_per_step:.2f} |",
+                    flush=True,
                 )
                 print(
                     json.dumps(
-                        {"tau": tau, "dcs": [{k: v for k, v in d.items() if k != "round_s"} for d in done]}
-                    )
+                        {
+                            "mode": mode,
+                            "tau": tau,
+                            "dcs": [{k: v for k, v in d.items() if k != "round_s"} for d in done],
+                        }
+                    ),
+                    file=sys.stderr,
                 )
-    print(f"bytes_reduction={reductions['int4']:.0f} utilization={utilization[args.overlap]:.3f}")
+                if tau == 0:
+                    print(
+                        f"(tau=0: a sync costs {sync:.2f} s against {s * step_s:.2f} s of measured compute between syncs)"
+                    )
+    o = args.overlap
+    parts = [f"bytes_reduction={reductions['int4']:.0f}"]
+    for mode, name in (("http", "utilization"), ("tls", "utilization_tls"), ("relay", "utilization_relay")):
+        if (o, mode) in utilization:
+            parts.append(f"{name}={utilization[(o, mode)]:.3f}")
+    print(" ".join(parts))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,11 @@ Capture: ``capture(i, path, max_bytes)`` records every frame on DC ``i``'s veth 
 an ``AF_PACKET`` socket in the switch namespace) into ``path``, up to ``max_bytes``: everything a
 third party on the path between the DCs could see.
 
-Needs root (``ip netns``, ``tc``). Use::
+NAT: ``block_inbound(net, i)`` drops every TCP SYN that arrives at DC ``i`` (``iptables`` in its
+namespace): it can open connections (replies to them pass) but accept none, as behind NAT or a
+stateful firewall. Such a DC takes part through the relay (``prime_composer.diloco.relay``).
+
+Needs root (``ip netns``, ``tc``; ``iptables`` for ``block_inbound``). Use::
 
     with NetSim(num_dcs=2, rate_mbit=20) as net:
         subprocess.run([*net.prefix(0), "python", ...])     # runs inside DC 0's namespace
@@ -144,6 +148,12 @@ class NetSim:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def block_inbound(net: NetSim, i: int) -> None:
+    """Drop every inbound TCP connection attempt to DC ``i`` (IPv4 and IPv6), outbound ones pass."""
+    for tool in ("iptables", "ip6tables"):
+        _run(*net.prefix(i), tool, "-A", "INPUT", "-i", "eth0", "-p", "tcp", "--syn", "-j", "DROP")
 
 
 class DelayProxy:

@@ -50,6 +50,35 @@ class OuterOptimConfig(BaseConfig):
 _FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
 
 
+def parse_relay(value: str) -> tuple[str, str | None]:
+    """``(url, fingerprint)`` of a ``diloco.relay`` value: ``host:port@sha256:<64 hex>`` (HTTPS,
+    certificate pinned) or ``http://host:port`` (plain; loopback or a private network only);
+    ``ValueError`` saying which form is expected otherwise."""
+    text = value.strip()
+    if text.startswith("http://"):
+        parts = urlsplit(text)
+        if not parts.hostname or parts.port is None or parts.path not in ("", "/"):
+            raise ValueError(f"diloco.relay = {value!r}: expected http://host:port")
+        return f"http://{parts.netloc}", None
+    address, sep, pin = text.removeprefix("https://").partition("@")
+    parts = urlsplit(f"https://{address}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not sep or not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise ValueError(
+            f"diloco.relay = {value!r}: expected 'host:port@sha256:<fingerprint>' (the relay's "
+            "certificate, printed by `python -m prime_composer.diloco.tls`) or 'http://host:port' "
+            "on loopback or a private network"
+        )
+    try:
+        fingerprint = normalize_fingerprint(pin)
+    except ValueError as e:
+        raise ValueError(f"diloco.relay = {value!r}: {e}") from None
+    return f"https://{parts.netloc}", fingerprint
+
+
 def normalize_fingerprint(value: str) -> str:
     """``sha256:<64 lowercase hex>`` from that form, bare hex, or openssl's ``AB:CD:...``;
     ``ValueError`` otherwise."""
@@ -68,10 +97,11 @@ class PeerConfig(BaseConfig):
     cluster_id: str
     """The peer's ``diloco.cluster_id`` (payloads name their sender; the id must match)."""
 
-    urls: list[str] = Field(min_length=1)
+    urls: list[str] = Field(default_factory=list)
     """Where to download the peer's payloads: its origin (``https://host:port``, or ``http://`` on
     loopback or a private network) first, then any shardcast relays that mirror it. The shardcast
-    client spreads downloads over them by measured speed and success rate."""
+    client spreads downloads over them by measured speed and success rate. Empty: the peer has no
+    inbound port (behind NAT) and its payloads come from ``diloco.relay``."""
 
     # --- transport security (diloco/tls.py) ---
     fingerprint: str | None = None
@@ -267,6 +297,13 @@ class DilocoConfig(BaseConfig):
     config whose origin binds a non-loopback address without ``tls_cert``, lists a non-loopback
     ``http://`` peer URL, or runs ``torchft`` off loopback is refused. Requests are signed either way."""
 
+    relay: str | None = None
+    """A relay every DC of the run reaches (``python -m prime_composer.diloco.relay serve``), for
+    DCs with no inbound port: ``"host:port@sha256:<fingerprint>"`` (HTTPS, its certificate
+    pinned) or ``"http://host:port"`` (loopback or ``private_network`` only). Set, this DC
+    publishes every payload to it too (sealed: the relay can neither read, forge nor alter one),
+    and fetches from it the payloads of each peer listed without ``urls``."""
+
     auth_window_s: float = Field(default=120.0, gt=0, le=3600)
     """Replay window of signed requests: one whose timestamp is further than this from the
     receiver's clock is refused, and nonces are remembered for twice as long. Keep DC clocks in
@@ -349,8 +386,26 @@ class DilocoConfig(BaseConfig):
                 "diloco.tls_cert and diloco.tls_key go together: set both (from `python -m "
                 "prime_composer.diloco.tls --out DIR`) or neither"
             )
+        if self.relay is not None:
+            url, _ = parse_relay(self.relay)
+            host = urlsplit(url).hostname or ""
+            if url.startswith("http://") and not is_loopback(host) and not self.private_network:
+                raise ValueError(
+                    f"diloco.relay = {self.relay!r} is plain HTTP to another machine: use "
+                    "'host:port@sha256:<fingerprint>' (the relay serves --tls-cert), or set "
+                    "diloco.private_network = true if the link is already private (VPN)"
+                )
+            if self.secret_env is None:
+                raise ValueError(
+                    "diloco.relay is set but diloco.secret_env is not: requests and payloads are signed"
+                )
         for i, peer in enumerate(self.peers):
             where = f"diloco.peers[{i}] ({peer.cluster_id})"
+            if not peer.urls and self.relay is None:
+                raise ValueError(
+                    f"{where}.urls is empty: list the peer's origin (https://host:port), or set "
+                    'diloco.relay = "host:port@sha256:<fingerprint>" if the peer has no inbound port'
+                )
             for url in peer.urls:
                 parts = urlsplit(url)
                 if parts.scheme not in ("http", "https") or not parts.hostname:

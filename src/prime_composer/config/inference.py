@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
+from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, ModelConfig
+from prime_composer.netaddr import is_loopback
 from prime_composer.tool_calls import DEFAULT_PARSER, PARSERS
 
 InferenceBackendName = Literal["hf", "vllm"]
@@ -140,6 +142,40 @@ class InferenceConfig(BaseConfig):
     others free ports. With ``launch.gpus.inference`` the GPUs are split into ``num_replicas``
     equal groups in order (``[0, 1]`` with 2 replicas: GPU 0 and GPU 1). The run goes on while one
     replica is alive. Read by ``rl`` only (one ``inference`` process is one replica)."""
+
+    # --- weights from another machine (transport/remote.py) ---
+    weights_origin: str | None = None
+    """``hf`` backend on a machine that shares no folder with the trainer: where each step named
+    by ``/update_weights`` is fetched from (``https://host:port@sha256:<fingerprint>``, served by
+    ``python -m prime_composer.transport.remote serve``; ``http://host:port`` on loopback only),
+    into ``<output_dir>/broadcasts``, verified before it is loaded. Needs ``weights_secret_env``."""
+
+    weights_secret_env: str | None = None
+    """Name of the environment variable holding the secret the weights origin signs with."""
+
+    @model_validator(mode="after")
+    def _check_weights_origin(self) -> Self:
+        if self.weights_origin is None:
+            return self
+        if self.backend != "hf":
+            raise ValueError('inference.weights_origin is only implemented for backend = "hf"')
+        if self.weights_secret_env is None:
+            raise ValueError("inference.weights_origin is set but inference.weights_secret_env is not")
+        url, _, pin = self.weights_origin.partition("@")
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"inference.weights_origin = {self.weights_origin!r}: expected https://host:port@sha256:<fp>"
+            )
+        if parts.scheme == "https" and not pin:
+            raise ValueError(
+                f"inference.weights_origin = {self.weights_origin!r}: pin the certificate (@sha256:<fp>)"
+            )
+        if parts.scheme == "http" and not is_loopback(parts.hostname):
+            raise ValueError(
+                f"inference.weights_origin = {self.weights_origin!r}: plain HTTP off loopback; use https://"
+            )
+        return self
 
     @property
     def num_gpus(self) -> int:

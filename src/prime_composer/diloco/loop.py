@@ -34,6 +34,7 @@ only in the last checkpoint (saved before ``finish``).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -47,6 +48,7 @@ from torch import nn
 
 from prime_composer.checkpoint_layout import step_dir
 from prime_composer.config.diloco import DilocoConfig
+from prime_composer.config.errors import RunError
 from prime_composer.diloco.base import Store, register_outer_loop
 from prime_composer.diloco.exchange import Exchange, RoundResult
 from prime_composer.diloco.fragments import Fragment, split_fragments
@@ -215,10 +217,20 @@ class ShardcastOuterLoop:
             try:
                 result = self._future.result()
             except Exception as e:  # the followers must not wait for a broadcast that never comes
-                if not self.sharded:
+                self._future = None  # consumed: close() must not raise it again
+                if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    error: Exception = RunError(
+                        f"diloco: no space left on the device of {e.filename or self.work_dir} while "
+                        f"publishing round {self._pending[0]}: free space there or set diloco.data_dir "
+                        "to a larger disk, then resume from the newest checkpoint"
+                    )
+                elif self.sharded:
+                    error = RuntimeError(f"diloco: the exchange of round {self._pending[0]} failed: {e}")
+                else:
                     raise
-                self._bcast(("error", {}))
-                raise RuntimeError(f"diloco: the exchange of round {self._pending[0]} failed: {e}") from e
+                if self.sharded:
+                    self._bcast(("error", {}))
+                raise error from (None if isinstance(error, RunError) else e)
             self._future = None
             self.last_result = result
             self.last_metrics = dict(result.metrics) | {"diloco/round": float(result.round)}

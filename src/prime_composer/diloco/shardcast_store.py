@@ -32,6 +32,10 @@ shares the fetch's deadline (a trickling peer cannot stretch it). A version refu
 size, shard count or checksum is remembered (by its checksum) and counted once in
 ``ShardcastStore.refused``: asking again returns ``None`` without downloading it again.
 
+With a relay (``diloco.relay``, ``relay.py``): every grad and commit is also published, sealed,
+to the relay (states too when the origin is on loopback, see ``relay_states``), and a peer listed without URLs (a DC behind NAT) is listed and fetched from the relay
+instead of its origin; what it returns goes through the same checks as a direct download.
+
 Failures come back as ``None`` (data), never as exceptions.
 """
 
@@ -56,11 +60,14 @@ from typing import TYPE_CHECKING, Any
 from shardcast.client import ServerMetrics, ShardDownloader
 from shardcast.utils import compute_checksum, get_shard_count, get_shard_filename, update_distribution_file
 
+from prime_composer.config.diloco import parse_relay
 from prime_composer.diloco.auth import AUTH_HEADER, Verifier, transport_key
 from prime_composer.diloco.payload import Kind
+from prime_composer.diloco.relay import RelayClient
 from prime_composer.diloco.tls import server_context
 from prime_composer.diloco.transport import Peer, TransportError, request
 from prime_composer.io import atomic_write_bytes
+from prime_composer.netaddr import is_loopback
 
 if TYPE_CHECKING:
     from prime_composer.config.diloco import DilocoConfig
@@ -203,6 +210,14 @@ class Origin:
     def publish(self, kind: Kind, round_: int, data: bytes) -> None:
         """Serve ``data`` as the version of (``kind``, ``round_``); drop the oldest versions."""
         version = version_of(kind, round_)
+        try:
+            self._publish(version, data)
+        except OSError as e:  # a write error has no file name: say where it was writing
+            if e.filename is None:
+                raise OSError(e.errno, e.strerror, str(self.directory / version)) from e
+            raise
+
+    def _publish(self, version: str, data: bytes) -> None:
         with self._lock:
             final = self.directory / version
             tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=self.directory))
@@ -375,8 +390,13 @@ class ShardcastStore:
         cluster_id: str | None = None,
         tls: ssl.SSLContext | None = None,
         window_s: float = 120.0,
+        relay: RelayClient | None = None,
+        publish_timeout_s: float = 60.0,
     ) -> None:
         self.directory = Path(directory)
+        self.cluster_id = cluster_id
+        self.relay = relay
+        self.publish_timeout_s = publish_timeout_s
         if isinstance(secret, str):
             secret = secret.encode()
         self.origin = Origin(
@@ -390,9 +410,19 @@ class ShardcastStore:
             window_s=window_s,
         )
         key = transport_key(secret) if secret else None
+        self.relay_states = is_loopback(host)
+        """Whether this DC's ``state`` payloads (8 bytes a value of a fragment, each round it
+        commits: ~8x an int4 grad) go to the relay too: only when its origin is on loopback, so
+        that no peer can reach it. A DC that serves other machines keeps them on its origin, and
+        every peer lists it with its URL (a peer catching up downloads states from there)."""
+        self.relayed = {c for c, urls in peers.items() if not urls}
+        """Peers without URLs: fetched from the relay."""
+        if self.relayed and (relay is None or cluster_id is None):
+            raise ValueError(f"peers {sorted(self.relayed)} have no URL and no relay is set (diloco.relay)")
         self._downloaders = {
             c: _Downloader([u if isinstance(u, Peer) else Peer(u, c, key) for u in urls], poll_interval_s)
             for c, urls in peers.items()
+            if urls
         }
         self._locks = {c: threading.Lock() for c in peers}
         self.refused: Counter[str] = Counter()
@@ -407,6 +437,9 @@ class ShardcastStore:
         tls = None
         if cfg.tls_cert is not None and cfg.tls_key is not None:
             tls = server_context(cfg.tls_cert, cfg.tls_key)
+        relay = None
+        if cfg.relay is not None and secret:
+            relay = RelayClient(*parse_relay(cfg.relay), secret)
         return cls(
             work_dir,
             cfg.host,
@@ -418,6 +451,8 @@ class ShardcastStore:
             cluster_id=cfg.cluster_id,
             tls=tls,
             window_s=cfg.auth_window_s,
+            relay=relay,
+            publish_timeout_s=cfg.round_deadline_s,
         )
 
     @property
@@ -426,10 +461,16 @@ class ShardcastStore:
         total: Counter[str] = Counter()
         for d in self._downloaders.values():
             total.update(d.errors)
+        if self.relay is not None:
+            total.update({f"relay_{k}": v for k, v in self.relay.errors.items()})
         return total
 
     def publish(self, kind: Kind, round_: int, data: bytes) -> None:
         self.origin.publish(kind, round_, data)
+        if self.relay is not None and (kind != "state" or self.relay_states):
+            assert self.cluster_id is not None
+            if not self.relay.publish(self.cluster_id, kind, round_, data, self.publish_timeout_s):
+                logger.warning("diloco: publishing %s of round %d to the relay failed", kind, round_)
 
     def _versions(self, cluster: str, deadline: float) -> dict[str, tuple[str, int]] | None:
         downloader = self._downloaders[cluster]
@@ -444,6 +485,10 @@ class ShardcastStore:
 
     def available(self, cluster: str, timeout_s: float) -> set[tuple[str, int]] | None:
         """The ``(kind, round)`` pairs the peer serves now, or None when it does not answer."""
+        if cluster in self.relayed:
+            assert self.relay is not None
+            listing = self.relay.listing(cluster, timeout_s)
+            return None if listing is None else set(listing)  # type: ignore[arg-type]
         versions = self.versions(cluster, timeout_s)
         if versions is None:
             return None
@@ -468,6 +513,8 @@ class ShardcastStore:
         """The peer's payload of (``kind``, ``round_``) if it is published and downloads (blake3
         checked) within ``timeout_s`` in all, at most ``max_bytes`` long (None: ``MAX_SHARDS``
         shards); None otherwise (not there yet, peer down, too slow, too big, refused before)."""
+        if cluster in self.relayed:
+            return self._fetch_relayed(cluster, kind, round_, timeout_s, max_bytes)
         deadline = time.monotonic() + timeout_s
         version = version_of(kind, round_)
         versions = self._versions(cluster, deadline)
@@ -504,6 +551,21 @@ class ShardcastStore:
             return whole.read_bytes()
         finally:
             shutil.rmtree(target, ignore_errors=True)
+
+    def _fetch_relayed(
+        self, cluster: str, kind: Kind, round_: int, timeout_s: float, max_bytes: int | None
+    ) -> bytes | None:
+        """``fetch`` of a peer behind NAT: its sealed blob from the relay, opened (or None)."""
+        assert self.relay is not None
+        deadline = time.monotonic() + timeout_s
+        listing = self.relay.listing(cluster, timeout_s)
+        if listing is None or (kind, round_) not in listing:
+            return None
+        cap = max_bytes if max_bytes is not None else MAX_SHARDS * SHARD_BYTES
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        return self.relay.fetch(cluster, kind, round_, left, cap, listing[(kind, round_)])
 
     def close(self) -> None:
         self.origin.close()

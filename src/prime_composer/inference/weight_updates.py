@@ -10,6 +10,14 @@ are actually loaded is the backend's ``WeightTarget``:
 - ``vllm`` (``vllm/admin.py``): verify the files, then pause vLLM, load through the workers'
   ``collective_rpc`` (whole weights) or vLLM's own LoRA loading (an adapter), resume.
 
+A server on another machine than the trainer (no shared folder) is given a ``remote``
+(``transport.remote.RemoteWeights``): the orchestrator sends the same request, naming the
+trainer's ``.../broadcasts/step_N``; the server takes only its step number, fetches that step from
+the trainer side's ``WeightsOrigin`` into its own ``weights_root`` (signed requests, pinned TLS,
+the manifest's tag and every digest checked; off the event loop), and then loads it from there as
+any local step. A step that cannot be fetched or does not verify is an ``APIError(502)``, and the
+server keeps what it served.
+
 A content problem (a digest mismatch, non-finite values, a shape the model does not have) is an
 ``APIError(409)`` naming the file, a step pruned meanwhile a 404, and the server keeps what it
 served. Imports only what vLLM's own environment has (the vLLM middleware imports this there);
@@ -48,8 +56,10 @@ class WeightTarget(Protocol):
 class WeightUpdates:
     """The two routes' logic over a ``WeightTarget`` (see the module docstring)."""
 
-    def __init__(self, weights_root: Path) -> None:
+    def __init__(self, weights_root: Path, remote: Any = None) -> None:
         self.weights_root = Path(weights_root)
+        self.remote = remote
+        """A ``transport.remote.RemoteWeights`` to fetch each step from, or None (a shared folder)."""
         self.current: dict[str, Any] = {"path": None, "step": None}
         """What is served: the step directory and its step, or ``None`` for the base weights."""
         self._lock: asyncio.Lock | None = None  # made lazily, inside the server's event loop
@@ -70,7 +80,10 @@ class WeightUpdates:
         from prime_composer.transport.weights import parse_step
 
         try:
-            path = checked_step_dir(update_path_from_body(body), self.weights_root)
+            raw = update_path_from_body(body)
+            if self.remote is not None:
+                raw = await self._fetch(raw)
+            path = checked_step_dir(raw, self.weights_root)
         except WeightPathError as e:
             raise APIError(e.status, e.message) from None
         async with self._serialized():
@@ -81,6 +94,21 @@ class WeightUpdates:
             self.current.update(path=str(path), step=parse_step(path))
         logger.info("serving weights from %s", path)
         return {"status": "ok", **self.current}
+
+    async def _fetch(self, raw: str) -> str:
+        """Fetch the step ``raw`` names from ``remote`` into ``weights_root``; its local path."""
+        from prime_composer.inference.weight_paths import WeightPathError
+        from prime_composer.transport.remote import RemoteWeightsError
+        from prime_composer.transport.weights import parse_step
+
+        step = parse_step(Path(raw))
+        if step is None:
+            raise WeightPathError(400, f"path {raw[:200]!r} does not name a step_<N> directory")
+        try:
+            fetched = await asyncio.to_thread(self.remote.fetch, step, self.weights_root)
+        except RemoteWeightsError as e:
+            raise APIError(502, f"step {step} could not be fetched from the trainer: {e}") from None
+        return str(fetched)
 
     async def reload(self, target: WeightTarget) -> dict[str, Any]:
         """Handle ``POST /reload_weights``; the response body."""

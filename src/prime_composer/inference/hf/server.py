@@ -60,6 +60,7 @@ def build_app(config: InferenceConfig) -> FastAPI:
     """Load the model and return the app (the decode loop starts with the app's lifespan)."""
     # Fail on a missing secret before spending time loading the model.
     secret = resolve_admin_secret(config.host, config.secret_env)
+    remote = _remote(config)
 
     import torch
 
@@ -93,7 +94,22 @@ def build_app(config: InferenceConfig) -> FastAPI:
         tool_call_parser=config.tool_call_parser,
     )
     _check_tool_format(tokenizer, config.tool_call_parser)
-    return create_app(state, broadcast_root(config), secret, config.max_request_bytes)
+    return create_app(state, broadcast_root(config), secret, config.max_request_bytes, remote)
+
+
+def _remote(config: InferenceConfig) -> Any:
+    """The ``RemoteWeights`` of ``inference.weights_origin``, or None (a shared folder)."""
+    if config.weights_origin is None:
+        return None
+    from prime_composer.config.diloco import normalize_fingerprint
+    from prime_composer.transport.remote import RemoteWeights
+
+    assert config.weights_secret_env is not None  # the config's validator
+    secret = os.environ.get(config.weights_secret_env, "")
+    if not secret:
+        raise ValueError(f"inference.weights_secret_env = {config.weights_secret_env!r} is unset or empty")
+    url, _, pin = config.weights_origin.partition("@")
+    return RemoteWeights(url, normalize_fingerprint(pin) if pin else None, secret.encode())
 
 
 def create_app(
@@ -101,8 +117,10 @@ def create_app(
     weights_root: Path,
     secret: str | None,
     max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    remote: Any = None,
 ) -> FastAPI:
-    """The FastAPI app around an already-built engine (``build_app`` does the loading)."""
+    """The FastAPI app around an already-built engine (``build_app`` does the loading);
+    ``remote``: a ``transport.remote.RemoteWeights`` that weight updates fetch from."""
     engine = state.engine
 
     @asynccontextmanager
@@ -119,7 +137,7 @@ def create_app(
     app.add_middleware(RequestGuard, secret=secret, max_body_bytes=max_request_bytes)
     app.include_router(openai_router(state))
     _install_error_handlers(app)
-    updates = WeightUpdates(weights_root)
+    updates = WeightUpdates(weights_root, remote)
     weights = _EngineWeights(engine)
 
     @app.get("/health")

@@ -1,0 +1,484 @@
+"""A relay for DCs that accept no inbound connection (behind NAT or a firewall).
+
+Every DC of a run with ``diloco.relay`` set publishes each payload to the relay as well as to its
+own origin, and downloads from the relay the payloads of every peer listed without ``urls``. Only
+outbound connections are needed, so a DC behind NAT takes part. Start the relay on a host all DCs
+reach::
+
+    python -m prime_composer.diloco.tls --out relay-tls --name relay --host 203.0.113.7
+    export DILOCO_RELAY_KEY=$(DILOCO_SECRET=... python -m prime_composer.diloco.relay key --secret-env DILOCO_SECRET)
+    python -m prime_composer.diloco.relay serve --host 0.0.0.0 --port 7800 \\
+        --tls-cert relay-tls/cert.pem --tls-key relay-tls/key.pem --key-env DILOCO_RELAY_KEY --dir /var/lib/diloco-relay
+
+and give the DCs ``relay = "203.0.113.7:7800@<fingerprint printed by the first command>"``.
+
+What the relay is trusted with, and what not:
+
+- it holds ``relay_key = HKDF(secret, "relay")``, never the secret: HKDF is one-way, so neither
+  the secret, nor the transport key of the DCs' origins (``auth.transport_key``), nor the payload
+  signing key, nor the sealing key below can be computed from it. With it the relay checks that a
+  request comes from a DC of the run (signed as in ``auth.py``, audience ``relay``, replay window,
+  nonces), and a DC checks nothing more than the relay's pinned certificate;
+- what it stores is *sealed*: AES-256-GCM under ``seal_key = HKDF(secret, "seal")`` with the slot
+  ``<cluster>/<kind>/<round>`` as associated data, around a payload that is itself signed with the
+  secret (``payload.py``). The relay sees ciphertext only (not the pseudo-gradients), cannot make
+  a blob that opens, cannot alter one (GCM's tag fails) and cannot move one to another slot or
+  round (the associated data differs); a reader then checks the payload's signature, sender,
+  round and digest as for a direct download;
+- it can withhold, delay or drop blobs (denial of service, as any router on the path can): the
+  round's deadline leaves that DC out, exactly as when a peer is down.
+
+Every DC can publish into any slot (they share the secret, as they already share the payload
+signing key); a DC's slot is overwritten only by a newer request, and a blob that does not open
+or verify is refused once (by its digest) and leaves its sender out of that round.
+
+Bounds at the relay: a blob is at most ``--max-blob-bytes`` (refused from ``Content-Length``
+before the body is read), all blobs together at most ``--max-total-bytes`` (a publish past it is
+refused with 507 after expiring old rounds), at most ``--max-clusters`` senders, and a sender's
+blobs older than ``--keep-rounds`` rounds behind its newest are deleted. Blobs live on disk
+(written atomically) under ``--dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import ssl
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from prime_composer.diloco.auth import AUTH_HEADER, Verifier, hkdf_sha256
+from prime_composer.diloco.transport import Peer, TransportError, request
+from prime_composer.io import atomic_write_bytes
+
+logger = logging.getLogger(__name__)
+
+RELAY_LABEL = b"prime-composer diloco relay v1"
+SEAL_LABEL = b"prime-composer diloco seal v1"
+AUDIENCE = "relay"
+SEAL_MAGIC = b"PCSEAL1\n"
+SEAL_OVERHEAD = len(SEAL_MAGIC) + 12 + 16
+"""Bytes a sealed blob adds to its payload (magic, GCM nonce, GCM tag)."""
+MAX_LISTING_BYTES = 1 << 20
+KINDS = ("grad", "commit", "state")
+_CLUSTER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_SLOT = re.compile(r"^/v1/(?P<cluster>[^/]+)(?:/(?P<kind>[a-z]+)/(?P<round>\d{1,12}))?$")
+
+
+def relay_key(secret: bytes) -> bytes:
+    """The key a relay verifies requests with (derived from the run's secret; reveals nothing of it)."""
+    return hkdf_sha256(secret, RELAY_LABEL)
+
+
+def seal_key(secret: bytes) -> bytes:
+    """The AES-256-GCM key of blobs stored at the relay (the relay never has it)."""
+    return hkdf_sha256(secret, SEAL_LABEL)
+
+
+def _aad(cluster: str, kind: str, round_: int) -> bytes:
+    return f"{cluster}/{kind}/{round_}".encode()
+
+
+def seal(key: bytes, cluster: str, kind: str, round_: int, payload: bytes) -> bytes:
+    """``payload`` encrypted and authenticated for its slot (``SEAL_OVERHEAD`` bytes more)."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    nonce = secrets.token_bytes(12)
+    return SEAL_MAGIC + nonce + AESGCM(key).encrypt(nonce, payload, _aad(cluster, kind, round_))
+
+
+def unseal(key: bytes, cluster: str, kind: str, round_: int, blob: bytes) -> bytes | None:
+    """The payload in ``blob`` if it was sealed with ``key`` for this slot, else None."""
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    if len(blob) < SEAL_OVERHEAD or not blob.startswith(SEAL_MAGIC):
+        return None
+    nonce, body = blob[len(SEAL_MAGIC) : len(SEAL_MAGIC) + 12], blob[len(SEAL_MAGIC) + 12 :]
+    try:
+        return AESGCM(key).decrypt(nonce, body, _aad(cluster, kind, round_))
+    except InvalidTag:
+        return None
+
+
+# ------------------------------------------------------------------------------------- server
+
+
+@dataclass
+class _Blob:
+    size: int
+    sha256: str
+    stored_at: float
+
+
+class RelayState:
+    """The relay's blobs: ``{cluster: {(kind, round): _Blob}}`` on disk under ``directory``."""
+
+    def __init__(
+        self, directory: Path, max_blob_bytes: int, max_total_bytes: int, max_clusters: int, keep_rounds: int
+    ) -> None:
+        self.directory = Path(directory)
+        self.max_blob_bytes = max_blob_bytes
+        self.max_total_bytes = max_total_bytes
+        self.max_clusters = max_clusters
+        self.keep_rounds = keep_rounds
+        self.lock = threading.Lock()
+        self.blobs: dict[str, dict[tuple[str, int], _Blob]] = {}
+        self.total_bytes = 0
+        shutil.rmtree(self.directory, ignore_errors=True)  # a fresh relay: what was stored is stale
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, cluster: str, kind: str, round_: int) -> Path:
+        return self.directory / cluster / f"{kind}-{round_}.bin"
+
+    def _drop(self, cluster: str, slot: tuple[str, int]) -> None:
+        blob = self.blobs[cluster].pop(slot)
+        self.total_bytes -= blob.size
+        self._path(cluster, *slot).unlink(missing_ok=True)
+
+    def _expire(self, cluster: str) -> None:
+        slots = self.blobs.get(cluster, {})
+        if slots:
+            newest = max(r for _, r in slots)
+            for slot in [s for s in slots if s[1] < newest - self.keep_rounds]:
+                self._drop(cluster, slot)
+
+    def put(self, cluster: str, kind: str, round_: int, data: bytes) -> tuple[int, str]:
+        """Store a blob; ``(status, message)``."""
+        with self.lock:
+            if cluster not in self.blobs and len(self.blobs) >= self.max_clusters:
+                return 507, f"the relay serves at most {self.max_clusters} senders"
+            slots = self.blobs.setdefault(cluster, {})
+            if slots and round_ < max(r for _, r in slots) - self.keep_rounds:
+                return 409, f"round {round_} is expired at this relay"
+            old = slots.get((kind, round_))
+            freed = old.size if old is not None else 0
+            if self.total_bytes - freed + len(data) > self.max_total_bytes:
+                return 507, f"the relay holds {self.total_bytes} of {self.max_total_bytes} bytes"
+            atomic_write_bytes(self._path(cluster, kind, round_), data)
+            self.total_bytes += len(data) - freed
+            slots[(kind, round_)] = _Blob(len(data), hashlib.sha256(data).hexdigest(), time.time())
+            self._expire(cluster)
+            return 200, "stored"
+
+    def listing(self, cluster: str) -> list[list[Any]]:
+        with self.lock:
+            return [[k, r, b.sha256, b.size] for (k, r), b in sorted(self.blobs.get(cluster, {}).items())]
+
+    def get(self, cluster: str, kind: str, round_: int) -> bytes | None:
+        with self.lock:
+            if (kind, round_) not in self.blobs.get(cluster, {}):
+                return None
+            return self._path(cluster, kind, round_).read_bytes()
+
+
+class _RelayHandler(BaseHTTPRequestHandler):
+    verifier: Verifier
+    state: RelayState
+    timeout = 30.0
+    protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        super().setup()
+        if isinstance(self.connection, ssl.SSLSocket):
+            self.connection.do_handshake()
+
+    def _reply(self, status: int, body: bytes = b"", content_type: str = "application/octet-stream") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = True
+
+    def _slot(self) -> tuple[str, str | None, int | None] | None:
+        match = _SLOT.match(self.path)
+        if match is None or not _CLUSTER.match(match["cluster"]):
+            self._reply(404, b"no such path")
+            return None
+        kind = match["kind"]
+        if kind is not None and kind not in KINDS:
+            self._reply(404, b"no such kind")
+            return None
+        return match["cluster"], kind, None if match["round"] is None else int(match["round"])
+
+    def _authentic(self, body: bytes) -> bool:
+        reason = self.verifier.check(self.command, self.path, body, self.headers.get(AUTH_HEADER))
+        if reason is not None:
+            self._reply(401, reason.encode(), "text/plain")
+            return False
+        return True
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._reply(200, b"ok", "text/plain")
+            return
+        slot = self._slot()
+        if slot is None or not self._authentic(b""):
+            return
+        cluster, kind, round_ = slot
+        if kind is None or round_ is None:
+            self._reply(200, json.dumps(self.state.listing(cluster)).encode(), "application/json")
+            return
+        data = self.state.get(cluster, kind, round_)
+        self._reply(200, data) if data is not None else self._reply(404, b"not here")
+
+    def do_PUT(self) -> None:
+        slot = self._slot()
+        if slot is None:
+            return
+        cluster, kind, round_ = slot
+        if kind is None or round_ is None:
+            self._reply(405, b"PUT a slot: /v1/<cluster>/<kind>/<round>")
+            return
+        length = self.headers.get("Content-Length", "")
+        if not length.isdigit():
+            self._reply(411, b"Content-Length required")
+            return
+        if int(length) > self.state.max_blob_bytes:
+            self._reply(413, f"a blob is at most {self.state.max_blob_bytes} bytes".encode())
+            return
+        body = self.rfile.read(int(length))
+        if len(body) != int(length) or not self._authentic(body):
+            if len(body) != int(length):
+                self._reply(400, b"short body")
+            return
+        status, message = self.state.put(cluster, kind, round_, body)
+        self._reply(status, message.encode(), "text/plain")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("relay %s: " + format, self.address_string(), *args)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        logger.debug("relay: request from %s failed", client_address, exc_info=True)
+
+
+class RelayServer:
+    """The relay, serving in a thread (``close()`` stops it). ``tls`` None is plain HTTP (for
+    loopback or a private network only; the command refuses it elsewhere)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        key: bytes,
+        directory: Path,
+        *,
+        tls: ssl.SSLContext | None = None,
+        max_blob_bytes: int = 1 << 30,
+        max_total_bytes: int = 16 << 30,
+        max_clusters: int = 64,
+        keep_rounds: int = 8,
+        window_s: float = 120.0,
+    ) -> None:
+        self.state = RelayState(directory, max_blob_bytes, max_total_bytes, max_clusters, keep_rounds)
+        handler = type(
+            "Handler", (_RelayHandler,), {"verifier": Verifier(key, AUDIENCE, window_s), "state": self.state}
+        )
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server_class = type("Server", (_Server,), {"address_family": family})
+        self._server = server_class((host.strip("[]"), port), handler)
+        if tls is not None:
+            self._server.socket = tls.wrap_socket(
+                self._server.socket, server_side=True, do_handshake_on_connect=False
+            )
+        self._thread = threading.Thread(target=self._server.serve_forever, name="diloco-relay", daemon=True)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+# ------------------------------------------------------------------------------------- client
+
+
+class RelayClient:
+    """A DC's side of the relay: publish sealed payloads, list and fetch the peers' (each call
+    bounded by its timeout; failures are ``None``/``False``, counted in ``errors``)."""
+
+    def __init__(self, url: str, fingerprint: str | None, secret: bytes) -> None:
+        self.peer = Peer(url, AUDIENCE, relay_key(secret), fingerprint)
+        self._seal_key = seal_key(secret)
+        self.errors: dict[str, int] = {}
+        self.refused: set[str] = set()
+        """SHA-256 of blobs that did not open (not downloaded again)."""
+
+    def _call(
+        self, method: str, path: str, timeout_s: float, max_bytes: int, body: bytes = b""
+    ) -> bytes | None:
+        try:
+            status, data = request(self.peer, method, path, time.monotonic() + timeout_s, max_bytes, body)
+        except TransportError as e:
+            self.errors[e.reason] = self.errors.get(e.reason, 0) + 1
+            (logger.error if e.reason == "pin" else logger.debug)("diloco relay: %s", e)
+            return None
+        if status != 200:
+            self.errors[f"http_{status}"] = self.errors.get(f"http_{status}", 0) + 1
+            if status != 404:
+                logger.warning(
+                    "diloco relay: %s %s: HTTP %d %s",
+                    method,
+                    path,
+                    status,
+                    data[:200].decode("utf-8", "replace"),
+                )
+            return None
+        return data
+
+    def publish(self, cluster: str, kind: str, round_: int, payload: bytes, timeout_s: float) -> bool:
+        blob = seal(self._seal_key, cluster, kind, round_, payload)
+        return self._call("PUT", f"v1/{cluster}/{kind}/{round_}", timeout_s, 4096, blob) is not None
+
+    def listing(self, cluster: str, timeout_s: float) -> dict[tuple[str, int], str] | None:
+        """``{(kind, round): sha256}`` of ``cluster``'s blobs, or None when the relay does not answer."""
+        data = self._call("GET", f"v1/{cluster}", timeout_s, MAX_LISTING_BYTES)
+        if data is None:
+            return None
+        try:
+            rows = json.loads(data)
+            return {(str(k), int(r)): str(d) for k, r, d, _ in rows if k in KINDS}
+        except (ValueError, TypeError):
+            self.errors["malformed"] = self.errors.get("malformed", 0) + 1
+            return None
+
+    def fetch(
+        self,
+        cluster: str,
+        kind: str,
+        round_: int,
+        timeout_s: float,
+        max_bytes: int,
+        digest: str | None = None,
+    ) -> bytes | None:
+        """The payload in ``cluster``'s blob of (``kind``, ``round_``) if it opens, else None."""
+        if digest is not None and digest in self.refused:
+            return None
+        blob = self._call("GET", f"v1/{cluster}/{kind}/{round_}", timeout_s, max_bytes + SEAL_OVERHEAD)
+        if blob is None:
+            return None
+        payload = unseal(self._seal_key, cluster, kind, round_, blob)
+        if payload is None:
+            self.refused.add(hashlib.sha256(blob).hexdigest())
+            self.errors["bad_seal"] = self.errors.get("bad_seal", 0) + 1
+            logger.warning("diloco relay: %s's %s of round %d does not open: refused", cluster, kind, round_)
+        return payload
+
+
+# -------------------------------------------------------------------------------------- command
+
+
+def _secret_from(env: str) -> bytes:
+    value = os.environ.get(env)
+    if not value:
+        raise SystemExit(f"environment variable {env} is unset or empty")
+    return value.encode()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from prime_composer.diloco.tls import fingerprint_of_pem, server_context
+    from prime_composer.netaddr import is_loopback
+
+    parser = argparse.ArgumentParser(
+        prog="python -m prime_composer.diloco.relay",
+        description="The DiLoCo relay for DCs without an inbound port (see the module docstring).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    key = sub.add_parser(
+        "key", help="print the relay key derived from the run's secret (give it to the relay)"
+    )
+    key.add_argument("--secret-env", required=True, help="environment variable holding the run's secret")
+    serve = sub.add_parser("serve", help="run the relay")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=7800)
+    serve.add_argument("--key-env", required=True, help="environment variable holding the relay key (hex)")
+    serve.add_argument("--dir", type=Path, required=True, help="where blobs are stored (emptied at start)")
+    serve.add_argument("--tls-cert", type=Path)
+    serve.add_argument("--tls-key", type=Path)
+    serve.add_argument("--private-network", action="store_true", help="allow plain HTTP off loopback")
+    serve.add_argument("--max-blob-bytes", type=int, default=1 << 30)
+    serve.add_argument("--max-total-bytes", type=int, default=16 << 30)
+    serve.add_argument("--max-clusters", type=int, default=64)
+    serve.add_argument("--keep-rounds", type=int, default=8)
+    serve.add_argument("--auth-window-s", type=float, default=120.0)
+    args = parser.parse_args(argv)
+    if args.command == "key":
+        print(relay_key(_secret_from(args.secret_env)).hex())
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    raw = os.environ.get(args.key_env, "")
+    if not re.fullmatch(r"[0-9a-f]{64}", raw):
+        print(
+            f"--key-env {args.key_env}: expected 64 hex digits from `python -m prime_composer.diloco.relay key`",
+            file=sys.stderr,
+        )
+        return 2
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("--tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    if args.tls_cert is None and not is_loopback(args.host) and not args.private_network:
+        print(
+            f"--host {args.host} serves other machines over plain HTTP: pass --tls-cert/--tls-key "
+            "(`python -m prime_composer.diloco.tls --out DIR`) or --private-network",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        tls = None if args.tls_cert is None else server_context(args.tls_cert, args.tls_key)
+    except ValueError as e:
+        print(
+            str(e).replace("diloco.tls_cert", "--tls-cert").replace("diloco.tls_key", "--tls-key"),
+            file=sys.stderr,
+        )
+        return 2
+    server = RelayServer(
+        args.host,
+        args.port,
+        bytes.fromhex(raw),
+        args.dir,
+        tls=tls,
+        max_blob_bytes=args.max_blob_bytes,
+        max_total_bytes=args.max_total_bytes,
+        max_clusters=args.max_clusters,
+        keep_rounds=args.keep_rounds,
+        window_s=args.auth_window_s,
+    )
+    where = f"{args.host}:{server.port}"
+    pin = f"@{fingerprint_of_pem(args.tls_cert)}" if args.tls_cert is not None else " (plain http)"
+    logger.info(
+        "diloco relay listening; DCs set diloco.relay = %r", where + pin if tls else f"http://{where}"
+    )
+    print(f"relay ready on {where}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
