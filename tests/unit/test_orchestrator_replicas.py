@@ -224,3 +224,18 @@ def test_a_call_that_fails_on_every_serving_replica_is_a_502() -> None:
     assert response.status_code == 502
     assert "failed on every inference replica" in response.json()["error"]["message"]
     assert [r.failures_in_a_row for r in pool.replicas] == [1, 1] and len(pool.alive) == 2
+
+
+def test_any_answers_tells_a_dead_server_from_a_live_one(servers: list[FakeServer]) -> None:
+    """The orchestrator's test of whether a step's failed rollouts are the servers' fault (then
+    the step is not trained): False only when no replica's /health answers."""
+    dead = ReplicaPool([refused_url(), refused_url()])
+    live = ReplicaPool([refused_url(), servers[1].url])
+
+    async def scenario(pool: ReplicaPool) -> bool:
+        async with pool:
+            return await pool.any_answers(timeout_s=2.0)
+
+    assert asyncio.run(scenario(dead)) is False
+    assert asyncio.run(scenario(live)) is True
+    assert servers[1].calls == ["/health"]

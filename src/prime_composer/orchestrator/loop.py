@@ -37,6 +37,7 @@ from typing import Any
 
 from prime_composer.checkpoint_layout import resume_step
 from prime_composer.config.env import SamplingConfig
+from prime_composer.config.errors import RunError
 from prime_composer.config.orchestrator import OrchestratorConfig
 from prime_composer.metrics import MetricsLogger
 from prime_composer.orchestrator.channel import OrchestratorChannel
@@ -167,6 +168,15 @@ class Orchestrator:
         t0 = time.monotonic()
         rollouts = await stream.next_step()
         metrics["time/rollout_s"] = time.monotonic() - t0
+        if rollouts.num_errors and not await self.pool.any_answers():
+            # Rollouts that failed because no server answers are not data: a step trained on
+            # them (and checkpointed before the launcher stops the run) would make the resumed
+            # run differ from one that never crashed.
+            raise RunError(
+                f"step {step}: {rollouts.num_errors} rollouts failed and no inference server answers "
+                f"/health ({', '.join(self.pool.urls)}); the step is not trained. Resume (--resume) "
+                "once the server is back"
+            )
         self.failure_watch.check(step, rollouts)
         for channel in self.channels:
             metrics.update(channel.observe(rollouts.generated))

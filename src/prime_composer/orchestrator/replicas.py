@@ -208,6 +208,19 @@ class ReplicaPool:
             reported = 0  # a server that reports no weights serves what it started with
         self.revive(replica, reported if isinstance(reported, int) else 0)
 
+    async def any_answers(self, timeout_s: float = 5.0) -> bool:
+        """Whether at least one replica's ``/health`` answers 200 now (alive or out): the test
+        of whether a step's failed rollouts are the data's or the servers' fault."""
+
+        async def answers(replica: Replica) -> bool:
+            try:
+                response = await self._client().get(f"{replica.url}/health", timeout=timeout_s)
+            except httpx.HTTPError:
+                return False
+            return response.status_code == 200
+
+        return any(await asyncio.gather(*(answers(r) for r in self.replicas)))
+
     async def _probe_loop(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.config.retry_s))
