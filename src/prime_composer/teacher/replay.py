@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
@@ -150,12 +151,12 @@ class Replayer:
         self, trace: Trace, planned: PlannedStep, messages: list[dict[str, str]]
     ) -> list[Answer]:
         order = self.pool.cascade_order(messages)
-
+        deadline = time.monotonic() + self.cfg.step_timeout_s
         agent = student_messages(trace, planned.turn_index)
 
         def ask(endpoint: TeacherEndpointConfig) -> Awaitable[Answer]:
             prompt = agent if endpoint.protocol == "agent" else messages
-            return self.pool.ask(endpoint, prompt, trace.trace_id, planned.turn_index)
+            return self.pool.ask(endpoint, prompt, trace.trace_id, planned.turn_index, deadline)
 
         if not self.cfg.gate.cascade or len(order) == 1:
             return list(await asyncio.gather(*(ask(e) for e in order)))
@@ -170,13 +171,17 @@ class Replayer:
         """Ask the teachers at one step and store its label (and pair candidate)."""
         turn_index = planned.turn_index
         messages = teacher_messages(trace, turn_index, self.cfg.instructions)
-        if self.pool.budget.run_exhausted(self.pool.smallest_worst_case(messages)):
-            self._finish_budget(trace, turn_index, [])
-            return None
-        answers = await self._ask_all(trace, planned, messages)
-        if all(a.outcome == "budget" for a in answers):
-            self._finish_budget(trace, turn_index, answers)
-            return None
+        budget = self.pool.budget
+        while True:  # refused for money: wait for calls in flight to settle, then try again
+            generation = budget.generation
+            answers = await self._ask_all(trace, planned, messages)
+            if not all(a.outcome == "budget" for a in answers):
+                break
+            if not await budget.wait_for_release(generation):  # nothing in flight: final
+                self.pool.record_refusals(answers)
+                self._finish_budget(trace, turn_index, answers)
+                return None
+        self.pool.record_refusals(answers)  # a teacher of the cascade the budget did not cover
         trace_action = turn_action(trace.turns[turn_index])
         votes = [Vote(a.teacher, a.action, a.dollars, a.error) for a in answers]
         label = label_step(trace_action, votes, self.cfg.pairs)

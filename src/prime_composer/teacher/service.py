@@ -2,6 +2,7 @@
 
 Start-up: take an exclusive lock on ``<output_dir>/teacher/service.lock`` (two services on one
 store would each think they own the budget), open the store, import the configured trace files,
+charge the calls a previous process left in flight at their worst case (``settle_orphans``),
 rebuild spending from the ledger. Then:
 
 - ``serve = false``: label everything pending, compute reference logprobs, log the stats, exit;
@@ -34,13 +35,15 @@ from prime_composer.io import atomic_write_text
 from prime_composer.metrics import MetricsLogger
 from prime_composer.teacher.budget import Budget
 from prime_composer.teacher.ingest import TraceIngestor
-from prime_composer.teacher.pool import StudentSampler, TeacherPool
+from prime_composer.teacher.pool import LIMIT_OUTCOMES, StudentSampler, TeacherPool
 from prime_composer.teacher.reference import ReferenceScorer
 from prime_composer.teacher.replay import Replayer, import_sources, reference_pass
 from prime_composer.teacher.server import build_app, resolve_secret
 from prime_composer.teacher.store import TeacherStore
 
 logger = logging.getLogger("prime_composer.teacher")
+
+COUNTED_OUTCOMES = (*LIMIT_OUTCOMES, "budget", "orphaned")
 
 
 @contextlib.contextmanager
@@ -84,6 +87,7 @@ def _summary(stats: dict[str, Any]) -> dict[str, float]:
     every labeled step so far, that went to the trace's own action (1: the teachers would have done
     what the policy did; with the cascade, a step where the cheapest teacher agreed counts one vote)."""
     votes = stats["votes"]
+    # Calls cut off by a bound, refused for money, or orphaned by a crash, each by kind.
     return {
         "teacher/agreement_rate": votes["for_trace"] / votes["total"] if votes["total"] else 0.0,
         "teacher/votes": votes["total"],
@@ -93,6 +97,7 @@ def _summary(stats: dict[str, Any]) -> dict[str, float]:
         "teacher/steps_pair": stats["steps"].get("pair", 0),
         "teacher/steps_confirmed": stats["steps"].get("confirmed", 0),
         "teacher/traces_done": stats["traces"].get("done", 0),
+        **{f"teacher/calls_{kind}": stats["calls"].get(kind, 0) for kind in COUNTED_OUTCOMES},
     }
 
 
@@ -133,6 +138,14 @@ async def _wait(event: asyncio.Event, timeout: float) -> None:
 
 
 async def _run(cfg: TeacherServiceConfig, store: TeacherStore, secret: str | None) -> None:
+    num_orphans, orphaned_usd = store.settle_orphans()
+    if num_orphans:
+        logger.warning(
+            "%d teacher calls were in flight when the last process stopped: charged at their reserved "
+            "worst case, $%.6f (ledger outcome 'orphaned')",
+            num_orphans,
+            orphaned_usd,
+        )
     budget = Budget(cfg.budget, store.spent_by_trace())
     try:  # an API key variable that is named but not set is the user's to fix
         pool = TeacherPool(
