@@ -23,7 +23,7 @@ from prime_composer.teacher.budget import Budget
 from prime_composer.teacher.fakes import fake_teacher_app, fixed
 from prime_composer.teacher.pool import StudentSampler, TeacherPool
 from prime_composer.teacher.prompts import prompt_hash, teacher_messages
-from prime_composer.teacher.replay import Replayer
+from prime_composer.teacher.replay import Replayer, reference_pass
 from prime_composer.teacher.store import TeacherStore
 from prime_composer.teacher.traces import TraceSourceConfig, parse_trace
 
@@ -323,3 +323,38 @@ def test_an_agent_protocol_teacher_sees_the_students_prompt_and_votes_with_its_t
     assert (row["chosen_text"], row["rejected_text"]) == ("5", "6")
     assert {r["teacher"]: r["outcome"] for r in store.ledger()} == {"review": "ok", "agent": "ok"}
     store.close()
+
+
+class StubScorer:
+    """Reference logprobs without a model: end token 99, every token -1.0."""
+
+    name = "stub"
+
+    def context_ids(self, messages):
+        return [1, 2, 3]
+
+    def end_with_eos(self, ids):
+        return ids if ids and ids[-1] == 99 else [*ids, 99]
+
+    def completion_ids(self, text, end=True):
+        return [5, 6, 99] if end else [5, 6]
+
+    def score(self, sequences):
+        return [[-1.0] * len(completion) for _, completion in sequences]
+
+
+def test_a_rejected_side_cut_at_the_token_budget_gets_no_end_token(tmp_path):
+    """Step 3's action was cut at the token budget (``finish_reason = "length"``): its pair's
+    rejected side is exactly the sampled tokens; step 1's (stopped normally) ends with the end
+    token; step 7's (no tokens in the trace) is rendered and ends with it too."""
+    trace = coding_trace("t1")
+    trace["turns"][1] |= {"token_ids": [20, 21], "finish_reason": "stop"}
+    trace["turns"][3] |= {"token_ids": [10, 11, 12], "finish_reason": "length"}
+    apps = {name: fake_teacher_app(fixed(PYTEST)) for name in ("a", "b")}
+    with serving(apps) as urls:
+        store = replay(make_config(tmp_path, urls), [trace])
+    assert reference_pass(store, StubScorer(), max_pair_tokens=100) == 3
+    rejected = {p["turn_index"]: json.loads(p["rejected_ids"]) for p in store.pairs()}
+    assert rejected == {1: [20, 21, 99], 3: [10, 11, 12], 7: [5, 6, 99]}
+    truncated = {p["turn_index"]: json.loads(p["provenance"])["rejected_truncated"] for p in store.pairs()}
+    assert truncated == {1: False, 3: True, 7: False}

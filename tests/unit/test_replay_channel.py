@@ -224,7 +224,12 @@ def test_rollouts_become_valid_traces() -> None:
         and math.isclose(parsed.record.reward or 0, 1.0)
         and parsed.trace_id == "abc"
     )
+    assert last.finish_reason is None  # stopped on its own: the pair's side gets its end token
     assert episode_trace([Sample([1], [], [], [], 0.0, 0, 0, 0, error="boom")]) is None
+    # A rollout cut at max_tokens says so, so its rejected side gets no end token it never sampled.
+    s.is_truncated = True
+    cut = parse_trace(episode_trace([s]) or {}, "rollout", TraceSourceConfig())
+    assert cut.turns[-1].finish_reason == "length"
 
 
 def test_both_halves_of_the_channel_must_be_on() -> None:

@@ -436,6 +436,11 @@ class ReferenceConfig(BaseConfig):
     """Sequences per reference forward (a pair is two). The dtype is ``model.dtype`` (``auto``:
     float32 on a CPU, bfloat16 on a GPU)."""
 
+    preload: bool = True
+    """Load the tokenizer and weights when a serving process starts (off its event loop), so the
+    first pairs do not wait for a cold import; false loads them at the first pair (a service that
+    only takes traces, or a test of its routes, never imports torch)."""
+
 
 class TeacherServiceConfig(BaseConfig):
     """The trace-replay teacher service."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -88,6 +89,9 @@ class Replayer:
         self.store = store
         self.pool = pool
         self.student = student
+        self.stopping = threading.Event()
+        """Set (from any thread) to stop starting steps: ``run_pending`` returns once the steps in
+        flight are labeled, and the traces it did not finish stay pending for the next pass."""
 
     # ------------------------------------------------------------------------------------ plan
 
@@ -137,12 +141,20 @@ class Replayer:
 
         async with asyncio.TaskGroup() as group:
             for trace_id in self.store.pending_traces():
+                if self.stopping.is_set():
+                    break
                 trace = self.store.load_trace(trace_id)
                 plan = {p.turn_index: p for p in self.plan(trace)}
-                touched.append(trace_id)
+                complete = True
                 for turn_index in self.store.pending_steps(trace_id):
                     await semaphore.acquire()
+                    if self.stopping.is_set():
+                        semaphore.release()
+                        complete = False
+                        break
                     group.create_task(label_released(trace, plan[turn_index]))
+                if complete:
+                    touched.append(trace_id)
         for trace_id in touched:
             self.store.mark_trace_done(trace_id)
         return num_labeled
@@ -270,6 +282,7 @@ class Replayer:
                 "votes": label.clusters,
                 "cost_usd": cost,
                 "trace_source": trace.source,
+                "rejected_truncated": turn.finish_reason == "length",
             },
         )
 
@@ -303,11 +316,14 @@ def reference_pass(
                 if row["chosen_ids"]
                 else scorer.completion_ids(row["chosen_text"])
             )
-            rejected = (
-                scorer.end_with_eos(json.loads(row["rejected_ids"]))
-                if row["rejected_ids"]
-                else scorer.completion_ids(row["rejected_text"])
-            )
+            # A rejected side cut at the token budget is kept as sampled: the policy never sampled
+            # an end token there, so none is added (it would teach away from one it did not emit).
+            truncated = bool(json.loads(row["provenance"]).get("rejected_truncated"))
+            if row["rejected_ids"]:
+                rejected = json.loads(row["rejected_ids"])
+                rejected = rejected if truncated else scorer.end_with_eos(rejected)
+            else:
+                rejected = scorer.completion_ids(row["rejected_text"], end=not truncated)
             length = len(context) + max(len(chosen), len(rejected))
             if length > max_pair_tokens:
                 store.set_pair_status(

@@ -7,7 +7,7 @@ rebuild spending from the ledger. Then:
 
 - ``serve = false``: label everything pending, compute reference logprobs, log the stats, exit;
 - ``serve = true``: serve the routes (``server.py``) and repeat "label what is pending" until
-  SIGTERM/SIGINT, waking early when ``POST /v1/traces`` brings new traces; a worker thread turns
+  SIGTERM/SIGINT (which lets the steps in flight finish and starts no others), waking early when ``POST /v1/traces`` brings new traces; a worker thread turns
   pending pair candidates into ready pairs meanwhile. The event loop of the routes does nothing
   else: the replay loop runs on its own event loop in a thread, POSTed bodies are parsed and stored
   in a worker process (``ingest.py``), so ``/health`` answers at once whatever the load. The bound address is written to
@@ -195,7 +195,8 @@ class _ReplayThread:
         self._call(self._wake.set)
 
     def stop(self) -> None:
-        """Finish the pass in progress, then return from ``run`` (any thread)."""
+        """Finish the steps in flight (no new ones start), then return from ``run`` (any thread)."""
+        self.replayer.stopping.set()
         self._call(self._stop.set)
         self._call(self._wake.set)
 
@@ -258,7 +259,8 @@ async def _serve(
 
     async def reference_loop() -> None:
         try:  # loading takes seconds (torch, transformers, the weights): start before any pair
-            await asyncio.to_thread(scorer.load)
+            if cfg.reference.preload:
+                await asyncio.to_thread(scorer.load)
         except Exception:  # a model that cannot load is retried by the passes below, and logged
             logger.exception("loading the reference model %s failed", scorer.name)
         while not stop.is_set():
