@@ -229,7 +229,7 @@ class TeacherPool:
                         ),
                     )  # fmt: skip
                     body = {"model": endpoint.model, "messages": messages, **_sampling(endpoint)}
-                    body["max_tokens"] = max_tokens
+                    body["max_tokens"], body["stream"] = max_tokens, False
                     attempt = await caller.attempt(body, endpoint.retry.timeout_s, deadline)
                 except BaseException:  # cancelled: the durable reservation stays, charged in full
                     self.budget.settle(reservation, reservation.amount)
