@@ -15,8 +15,9 @@ reply is read (and cached) whole. The pool asks teachers through ``TeacherCaller
 - errors are data (``Attempt.kind``), as in ``EndpointClient``; only cancellation propagates.
 
 ``Attempt.billable`` says whether the provider may have charged for an attempt that gave no usage:
-once the request may have reached it (anything but a refused connection or an HTTP error status)
-it may be generating, so the pool charges such an attempt its reserved worst case.
+once the request's first bytes went out (httpcore's ``trace`` extension says when) it may be
+generating, so the pool charges such an attempt its reserved worst case unless it answered with an
+HTTP error status; an attempt cut off while still connecting costs nothing.
 """
 
 from __future__ import annotations
@@ -76,6 +77,12 @@ class _Progress:
 
     status: int | None = None
     num_bytes: int = 0
+    sent: bool = False
+    """The request's first bytes went out (httpcore's trace): from then on it may be billed."""
+
+    async def trace(self, name: str, info: dict[str, Any]) -> None:
+        if name.endswith("send_request_headers.started"):
+            self.sent = True
 
 
 class TeacherCaller:
@@ -137,7 +144,7 @@ class TeacherCaller:
             return Attempt(
                 state.status, None, kind_on_limit,
                 f"no whole answer within {limit:.2f} s ({state.num_bytes} bytes read)",
-                None, True, state.num_bytes, time.monotonic() - started,
+                None, state.sent, state.num_bytes, time.monotonic() - started,
             )  # fmt: skip
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             return Attempt(
@@ -152,7 +159,7 @@ class TeacherCaller:
             )
         except httpx.HTTPError as e:  # reset or closed mid-answer: the request was sent
             return Attempt(
-                state.status, None, "connection", f"{type(e).__name__}: {e}", None, True,
+                state.status, None, "connection", f"{type(e).__name__}: {e}", None, state.sent,
                 state.num_bytes, time.monotonic() - started,
             )  # fmt: skip
 
@@ -160,7 +167,9 @@ class TeacherCaller:
         self, client: httpx.AsyncClient, body: dict[str, Any], started: float, state: _Progress
     ) -> Attempt:
         cap = self.max_reply_bytes
-        async with client.stream("POST", self.url, json=body, headers=self._headers) as response:
+        async with client.stream(
+            "POST", self.url, json=body, headers=self._headers, extensions={"trace": state.trace}
+        ) as response:
             state.status = status = response.status_code
 
             def done(kind: str | None, message: str, data: Any = None) -> Attempt:
