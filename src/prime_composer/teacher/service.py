@@ -129,6 +129,9 @@ def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host.strip("[]"), port))
+    # Listening now, before service.json names the address: a client that reads it at once is
+    # queued in the backlog, not refused, while uvicorn's task has not started yet.
+    sock.listen(2048)
     return sock
 
 
