@@ -21,7 +21,7 @@ spurious pair). Answers are a deterministic function of (teacher, state), so the
 same teachers; usage is ~4 characters per token.
 
 Both runs use the real ``Replayer`` (plan, cascade, ``TeacherPool``: cache, budget, ledger,
-``EndpointClient``) on a fresh store each, with no budget caps (the gate is measured, not the caps):
+``teacher.calls``) on a fresh store each, with no budget caps (the gate is measured, not the caps):
 
 - ``ungated``: ``gate.enabled = false``, ``gate.cascade = false``: every step, every teacher;
 - ``gated``: the gate (``--max-steps-per-trace`` B) and the cascade, with the defaults otherwise.

@@ -192,6 +192,9 @@ class FakeStore:
     def take(self, n: int, after_cursor: int = 0) -> list[Pair]:
         return [p for p in self.pairs if p.cursor > after_cursor][:n]
 
+    def newest_cursor(self) -> int:
+        return max((p.cursor for p in self.pairs), default=0)
+
 
 def test_the_source_takes_each_pair_once_and_resumes_from_its_cursor(tmp_path: Path) -> None:
     rng = random.Random(4)
@@ -206,6 +209,41 @@ def test_the_source_takes_each_pair_once_and_resumes_from_its_cursor(tmp_path: P
     resumed.load_state_dict(saved)
     assert [p.cursor for p in asyncio.run(resumed.take(1))] == [p.cursor for p in second] == [4, 5, 6]
     assert [p.cursor for p in asyncio.run(source.take(2))] == [7, 8] and asyncio.run(source.take(3)) == []
+
+
+def test_pairs_older_than_max_pair_age_are_skipped_and_the_ages_are_logged(tmp_path: Path) -> None:
+    """10 pairs become ready at step 0, 10 more at step 3; 3 are taken per step. By hand, with
+    max_pair_age = 2: steps 0-2 take cursors 1-9 (ready at step 0: ages 0, 1, 2); at step 3 cursor 10
+    is 3 steps old and skipped, 11-13 (ready at 3) are taken at age 0; steps 4 and 5 take 14-19 at
+    ages 1 and 2; at step 6 cursor 20 is stale."""
+    rng = random.Random(5)
+    source = PairSource(ReplaySourceConfig(enabled=True, pairs_per_step=3, max_pair_age=2), tmp_path)
+    store = FakeStore([pair(rng, c) for c in range(1, 11)])
+    source.teacher.store = store  # type: ignore[assignment]
+    taken, rows = {}, {}
+    for step in range(7):
+        if step == 3:
+            store.pairs += [pair(rng, c) for c in range(11, 21)]
+        taken[step] = [p.cursor for p in asyncio.run(source.take(step))]
+        rows[step] = source.metrics()
+        if step == 4:  # a resumed source knows the ages too
+            saved = source.state_dict()
+            source = PairSource(ReplaySourceConfig(enabled=True, pairs_per_step=3, max_pair_age=2), tmp_path)
+            source.teacher.store = store  # type: ignore[assignment]
+            source.load_state_dict(saved)
+    assert taken == {
+        0: [1, 2, 3], 1: [4, 5, 6], 2: [7, 8, 9], 3: [11, 12, 13], 4: [14, 15, 16], 5: [17, 18, 19], 6: [],
+    }  # fmt: skip
+    assert [rows[s]["replay/pair_age_max"] for s in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert [rows[s]["replay/pairs_stale"] for s in range(7)] == [0, 0, 0, 1, 0, 0, 1]
+    # Without the limit every pair is taken in turn, up to 3 steps old here.
+    plain = PairSource(ReplaySourceConfig(enabled=True, pairs_per_step=3), tmp_path)
+    plain.teacher.store = FakeStore(store.pairs[:10])  # type: ignore[assignment]
+    ages = []
+    for step in range(4):
+        asyncio.run(plain.take(step))
+        ages.append(plain.metrics()["replay/pair_age_max"])
+    assert ages == [0, 1, 2, 3] and plain.cursor == 10
 
 
 def test_rollouts_become_valid_traces() -> None:
@@ -224,7 +262,12 @@ def test_rollouts_become_valid_traces() -> None:
         and math.isclose(parsed.record.reward or 0, 1.0)
         and parsed.trace_id == "abc"
     )
+    assert last.finish_reason is None  # stopped on its own: the pair's side gets its end token
     assert episode_trace([Sample([1], [], [], [], 0.0, 0, 0, 0, error="boom")]) is None
+    # A rollout cut at max_tokens says so, so its rejected side gets no end token it never sampled.
+    s.is_truncated = True
+    cut = parse_trace(episode_trace([s]) or {}, "rollout", TraceSourceConfig())
+    assert cut.turns[-1].finish_reason == "length"
 
 
 def test_both_halves_of_the_channel_must_be_on() -> None:

@@ -1,7 +1,10 @@
-"""The VOI gate's features (hand-computed), its selection, and budgets that hold under concurrency."""
+"""The VOI gate's features (hand-computed), its selection, and budgets that hold under concurrency
+and across crashes."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import math
 import threading
 
@@ -10,6 +13,7 @@ import pytest
 from prime_composer.config.teacher import BudgetConfig, GateConfig
 from prime_composer.teacher.budget import Budget, prompt_token_bound
 from prime_composer.teacher.gate import StepFeatures, select_steps, step_features
+from prime_composer.teacher.store import LedgerRow, TeacherStore
 from prime_composer.teacher.traces import TraceSourceConfig, parse_trace
 
 
@@ -159,3 +163,41 @@ def test_concurrent_reservations_never_overshoot():
 def test_prompt_bound_is_at_least_bytes():
     messages = [{"role": "user", "content": "héllo"}]
     assert prompt_token_bound(messages, overhead=0) >= len("héllo".encode()) + len("user")
+
+
+def test_a_refused_call_waits_until_a_call_in_flight_settles():
+    async def main() -> None:
+        budget = Budget(BudgetConfig(per_trace_usd=None, per_run_usd=1.0))
+        first = budget.reserve("t", 0.75)
+        assert first is not None
+        generation = budget.generation
+        assert budget.reserve("t", 0.5) is None  # 0.75 held + 0.5 > 1.0
+        waiter = asyncio.create_task(budget.wait_for_release(generation))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # nothing settled yet: it waits
+        budget.settle(first, 0.25)  # the call cost a third of what it held
+        assert await asyncio.wait_for(waiter, 5) is True
+        assert budget.reserve("t", 0.5) is not None  # 0.25 spent + 0.5 <= 1.0
+        # A settlement between the refusal and the wait is not missed; nothing in flight: no wait.
+        assert await budget.wait_for_release(generation) is True
+        idle = Budget(BudgetConfig(per_trace_usd=None, per_run_usd=1.0))
+        assert await idle.wait_for_release(idle.generation) is False
+
+    asyncio.run(main())
+
+
+def test_a_reservation_in_the_store_is_gone_with_its_ledger_row_or_charged_when_orphaned(tmp_path):
+    store = TeacherStore(tmp_path / "teacher.sqlite")
+    row = LedgerRow("t", 1, "a", "m", "k", 0, 0, 0.004, 0.0, 1, "reserved")
+    settled = store.reserve_call(None, row)
+    assert store.reserve_call(settled, dataclasses.replace(row, dollars=0.006, attempts=2)) == settled
+    store.record_call(dataclasses.replace(row, dollars=0.001, outcome="ok"), reservation_id=settled)
+    left = store.reserve_call(None, row)  # a call in flight when the process dies
+    assert [r["reservation_id"] for r in store.reservations()] == [left]
+    store.close()
+    store = TeacherStore(tmp_path / "teacher.sqlite")  # the next process
+    assert store.settle_orphans() == (1, 0.004)
+    assert store.reservations() == []
+    assert [(r["outcome"], r["dollars"]) for r in store.ledger()] == [("ok", 0.001), ("orphaned", 0.004)]
+    assert store.spent_by_trace() == {"t": pytest.approx(0.005)}
+    store.close()

@@ -69,6 +69,12 @@ def summary(run: dict[str, list[dict[str, Any]]]) -> list[str]:
             f"{last.get('teacher/agreement_rate', 0.0):.2f}, {last.get('teacher/steps_pair', 0):.0f} steps "
             f"became pairs, {last.get('teacher/steps_confirmed', 0):.0f} confirmed"
         )
+        bounded = {
+            k: last.get(f"teacher/calls_{k}", 0)
+            for k in ("timeout", "step_deadline", "too_large", "too_many_tokens", "budget", "orphaned")
+        }
+        if any(bounded.values()):
+            lines.append("teacher calls: " + ", ".join(f"{v:.0f} {k}" for k, v in bounded.items()))
     return lines
 
 
@@ -85,10 +91,15 @@ SPEC = register_channel(
             Column("pairs", "orchestrator", ("replay/pairs",)),  # pairs in this step's batch,
             Column("spend $", "teacher", ("teacher/spent_usd",)),  # teacher dollars so far,
             Column("agree", "teacher", ("teacher/agreement_rate",)),  # teacher votes for the policy's action
+            Column("pair age", "orchestrator", ("replay/pair_age_max",)),  # steps the oldest pair was ready
         ),
         panels=(
             Column("replay pairs per step", "orchestrator", ("replay/pairs",)),
             Column("replay DPO loss", "trainer", ("loss/replay",)),
+            Column("replay pair age (steps)", "orchestrator", ("replay/pair_age_mean",)),
+            Column("replay DPO accuracy", "trainer", ("dpo/accuracy",)),
+            Column("replay DPO margin", "trainer", ("dpo/margin",)),
+            Column("teacher calls cut off", "teacher", ("teacher/calls_timeout",)),
         ),
         summary=summary,
     )

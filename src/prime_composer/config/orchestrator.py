@@ -45,6 +45,11 @@ class ReplaySourceConfig(BaseConfig):
     pairs_per_step: int = Field(default=8, ge=1)
     """Pairs taken per step, oldest first (fewer when fewer are ready; none is reused)."""
 
+    max_pair_age: int | None = Field(default=None, ge=0)
+    """Skip pairs that have been ready for more than this many steps (counted in
+    ``replay/pairs_stale``): with pairs arriving faster than ``pairs_per_step`` take them, the
+    ones trained stay this fresh. None takes every pair in turn."""
+
     send_traces: bool = True
     """Post each step's rollouts to the teacher service as traces to replay (when ``rl`` runs one)."""
 

@@ -138,11 +138,18 @@ class TeacherEndpointConfig(BaseConfig):
     """Requests to this teacher in flight at once."""
 
     retry: RetryConfig = RetryConfig()
-    """Time limit per attempt (``retry.timeout_s``) and bounded retries with backoff on 429, 5xx,
+    """Wall-clock limit per attempt (``retry.timeout_s``: the whole answer, however slowly it
+    trickles in) and bounded retries with backoff on 429, 5xx,
     timeouts and connection errors. A call that still fails is a ledger row, never a crash."""
 
     max_tokens: int = Field(default=512, ge=1)
-    """Longest answer; also the output side of the worst-case cost reserved before each call."""
+    """Longest answer; also the output side of the worst-case cost reserved before each call. Near
+    the budget's end a call is sent with a lower ``max_tokens`` (what the money left covers, never
+    below the realistic reply bound: ``BudgetConfig.reply_quantile``)."""
+
+    max_reply_bytes: int = Field(default=1_000_000, ge=1024)
+    """Longest answer body in bytes, enforced while it is read: a longer one is cut off there
+    (ledger outcome ``too_large``, charged its reserved worst case unless it reported usage)."""
 
     temperature: float = Field(default=0.0, ge=0.0)
     """Sampling temperature (0 = greedy: the same state gets the same answer, which the response
@@ -322,6 +329,19 @@ class BudgetConfig(BaseConfig):
     """Dollars for the whole run (every trace, every restart: the ledger is the record) at most;
     None = no cap."""
 
+    reply_quantile: float = Field(default=0.99, gt=0.0, le=1.0)
+    """The realistic reply bound of a teacher: this quantile of its observed completion tokens
+    (``reply_margin`` times it, at most ``max_tokens``). Calls are reserved at their full worst case
+    while that fits; when it no longer does, a call is sent with ``max_tokens`` lowered to what the
+    money left covers, as long as that is at least this bound, so the cap holds in the provider's
+    dollars and the budget is spent down to about one realistic call."""
+
+    reply_margin: float = Field(default=1.25, ge=1.0)
+    """Factor on the observed quantile (a reply a little longer than any seen still fits)."""
+
+    reply_samples: int = Field(default=20, ge=1)
+    """Observed replies of a teacher before its quantile is used (``max_tokens`` until then)."""
+
     prompt_overhead_tokens: int = Field(default=64, ge=0)
     """Tokens the endpoint's chat template may add to a prompt beyond its text (role markup,
     default system text), counted into the worst-case input of a call. The text itself is bounded
@@ -416,6 +436,11 @@ class ReferenceConfig(BaseConfig):
     """Sequences per reference forward (a pair is two). The dtype is ``model.dtype`` (``auto``:
     float32 on a CPU, bfloat16 on a GPU)."""
 
+    preload: bool = True
+    """Load the tokenizer and weights when a serving process starts (off its event loop), so the
+    first pairs do not wait for a cold import; false loads them at the first pair (a service that
+    only takes traces, or a test of its routes, never imports torch)."""
+
 
 class TeacherServiceConfig(BaseConfig):
     """The trace-replay teacher service."""
@@ -448,7 +473,14 @@ class TeacherServiceConfig(BaseConfig):
     """How often a serving process looks for new work when idle."""
 
     max_concurrent_steps: int = Field(default=16, ge=1)
-    """Steps being labeled at once (each may have several teacher calls in flight)."""
+    """Steps being labeled at once (each may have several teacher calls in flight). A step the
+    budget cannot pay for now waits for calls in flight to settle and tries again; it is refused
+    (outcome ``budget``) only when nothing is in flight and it still does not fit."""
+
+    step_timeout_s: float = Field(default=300.0, gt=0.0)
+    """Wall-clock limit of one step's teacher calls (every teacher, attempt and backoff wait); a
+    call still running then is cut off (ledger outcome ``step_deadline``). Each attempt also has
+    its own wall-clock limit, ``pool[].retry.timeout_s``."""
 
     instructions: str = DEFAULT_INSTRUCTIONS
     """System message of every teacher request (part of the cache key)."""

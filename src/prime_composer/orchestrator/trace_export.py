@@ -36,7 +36,12 @@ def sample_turns(sample: Sample) -> list[TurnInfo]:
     if len(assistant) != 1 or not policy or policy != list(range(policy[0], policy[-1] + 1)):
         return []
     return [
-        TurnInfo(index=0, span=(policy[0], policy[-1] + 1), message_index=assistant[0], finish_reason=None)
+        TurnInfo(
+            index=0,
+            span=(policy[0], policy[-1] + 1),
+            message_index=assistant[0],
+            finish_reason="length" if sample.is_truncated else None,
+        )
     ]
 
 
@@ -74,6 +79,8 @@ def episode_trace(samples: Sequence[Sample]) -> dict[str, Any] | None:
                     "token_ids": sample.completion_ids[start:end],
                     "prompt_token_ids": sample.prompt_ids + sample.completion_ids[:start],
                     "logprobs": sample.completion_logprobs[start:end],
+                    # Only a cut is marked (a side without its end token); a turn that stopped is as before.
+                    **({"finish_reason": "length"} if turn.finish_reason == "length" else {}),
                 }
             )
         elif role == "tool":

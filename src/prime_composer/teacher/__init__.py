@@ -10,7 +10,8 @@ trace's action into step-level DPO pairs and process rewards, within hard budget
     prompts.py    what teachers and the student are shown at a step
     gate.py       the VOI gate: per-step features and score, top-B per trace by score per dollar
     budget.py     per-trace and per-run caps that hold under concurrency
-    pool.py       teacher calls: response cache -> budget -> EndpointClient -> ledger
+    pool.py       teacher calls: response cache -> budget (reserved in the store) -> calls.py -> ledger
+    calls.py      one bounded attempt: wall clock per attempt and step, reply bytes and tokens
     votes.py      votes -> pair / confirmation / process reward
     reference.py  pair token ids and reference logprobs (transformers, lazy torch)
     replay.py     plan, label, reference pass

@@ -8,6 +8,7 @@ service's store, read through ``pairs.PairStore`` (whose queries are built from 
     client.connect(url, api_key, retry)        # only to send traces
     client.send(traces)                        # in the background; failures are counted
     pairs = client.take_pairs(16, after_cursor=cursor)
+    newest = client.newest_cursor()            # ready pairs are cursors 1..newest
     reward = client.process_reward(trace)      # mean over the trace's labeled steps, or None
 
 Traces are dicts in ``traces.py``'s schema (``orchestrator/trace_export.py`` writes them). A failed
@@ -84,6 +85,10 @@ class TeacherClient:
     def take_pairs(self, n: int, after_cursor: int = 0) -> list[Pair]:
         """Up to ``n`` ready pairs with ``cursor > after_cursor``, in cursor order."""
         return self.store.take(n, after_cursor=after_cursor)
+
+    def newest_cursor(self) -> int:
+        """The cursor of the newest ready pair (0 when none is ready)."""
+        return self.store.newest_cursor()
 
     def process_reward(self, trace: dict[str, Any]) -> float | None:
         """The mean process reward of the rollout's own actions at the trace's labeled steps (the

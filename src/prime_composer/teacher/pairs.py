@@ -128,6 +128,14 @@ class PairStore:
             self._conn.close()
             self._conn = None
 
+    def newest_cursor(self) -> int:
+        """The cursor of the newest ready pair (0 when none is ready)."""
+        conn = self._connection()
+        if conn is None:
+            return 0
+        row = conn.execute("SELECT COALESCE(MAX(cursor), 0) FROM pairs WHERE status = 'ready'").fetchone()
+        return int(row[0])
+
     def take(self, n: int, after_cursor: int = 0) -> list[Pair]:
         """Up to ``n`` ready pairs with ``cursor > after_cursor``, in cursor order."""
         if n < 1:

@@ -1,4 +1,4 @@
-"""The teacher pool: one ``EndpointClient`` per teacher, behind the response cache, the budget and
+"""The teacher pool: one ``TeacherCaller`` per teacher, behind the response cache, the budget and
 the ledger.
 
 ``TeacherPool.ask`` is the only way the service calls a teacher:
@@ -6,15 +6,21 @@ the ledger.
 1. the cache key is ``sha256(teacher, model, prompt hash, sampling settings)``; a cached answer is
    returned at no cost (ledger outcome ``cache_hit``), and concurrent asks of the same key share
    one call;
-2. the call's worst-case cost is reserved against the trace and run budgets (``budget.py``); when
-   it does not fit, nothing is sent (ledger outcome ``budget``);
-3. the call goes through ``EndpointClient`` (bounded retries with backoff on 429/5xx/timeouts);
-   a failure is a ledger row with its error kind, never an exception;
+2. before each attempt, its worst-case cost is reserved against the trace and run budgets
+   (``budget.py``) and written to the store (``reservations``), so a crash cannot lose what the
+   provider may bill; when it does not fit, nothing is sent and the answer is ``budget``, with its
+   ledger row in ``Answer.refusal`` for the caller to record once the step gives up waiting;
+3. each attempt is bounded (``calls.py``: wall-clock per attempt and per step, reply bytes and
+   tokens), with bounded retries and backoff on 429/5xx/timeouts/connection errors; the call's
+   ledger row (one per call, every attempt's cost summed) is written in the transaction that drops
+   its reservation; a failure is a ledger row with its error kind, never an exception;
 4. the answer's action is parsed (``actions.parse_answer``); an answer without one is recorded
    as ``malformed`` and cached like any paid answer (asking again would pay for the same reply).
 
-Dollars come from the endpoint's reported ``usage`` at the configured prices; an answer without
-``usage`` is charged its worst case, so the budget stays an upper bound.
+Dollars come from the endpoint's reported ``usage`` at the configured prices. An attempt without
+``usage`` the provider may still have billed (timed out after the request was sent, cut off as too
+large, not JSON) is charged its reserved worst case, so the ledger stays an upper bound; an HTTP
+error status without usage costs nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +43,8 @@ from prime_composer.teacher.actions import (
     parse_agent_reply,
     parse_answer,
 )
-from prime_composer.teacher.budget import Budget, call_cost, prompt_token_bound, worst_case_cost
+from prime_composer.teacher.budget import Budget, call_cost, prompt_token_bound
+from prime_composer.teacher.calls import Attempt, TeacherCaller
 from prime_composer.teacher.prompts import prompt_hash
 from prime_composer.teacher.store import LedgerRow, TeacherStore
 
@@ -54,9 +62,15 @@ class Answer:
     teacher: str
     action: Action | None
     outcome: str
-    """``ok`` | ``malformed`` | ``cache_hit`` | ``budget`` | an ``EndpointClient`` error kind."""
+    """``ok`` | ``malformed`` | ``cache_hit`` | ``budget`` | a ``calls.Attempt`` error kind."""
     dollars: float
     error: str | None = None
+    refusal: LedgerRow | None = None
+    """For ``budget``: the ledger row of the refusal (``TeacherPool.record_refusals``)."""
+
+
+LIMIT_OUTCOMES = ("timeout", "step_deadline", "too_large", "too_many_tokens")
+"""Ledger outcomes of calls cut off by a bound (counted in the metrics by kind)."""
 
 
 def _sampling(endpoint: TeacherEndpointConfig) -> dict[str, Any]:
@@ -95,20 +109,20 @@ class TeacherPool:
                     f"teacher.pool[{i}] ({e.id!r}) has no base_url: a `local` teacher is started by `rl`, "
                     "which fills it in; to run the service alone, serve the teacher and set its base_url"
                 )
-        self._clients = {
-            e.id: EndpointClient(
+        self._callers = {
+            e.id: TeacherCaller(
                 e.base_url or "",
-                retry=e.retry,
                 api_key=read_api_key(e.api_key_env, f"teacher.pool[{i}].api_key_env"),
                 max_concurrency=e.max_concurrency,
+                max_reply_bytes=e.max_reply_bytes,
             )
             for i, e in enumerate(self.endpoints)
         }
         self._in_flight: dict[str, asyncio.Future[Answer]] = {}
 
     async def aclose(self) -> None:
-        for client in self._clients.values():
-            await client.aclose()
+        for caller in self._callers.values():
+            await caller.aclose()
 
     # ----------------------------------------------------------------------------------- costs
 
@@ -122,17 +136,26 @@ class TeacherPool:
         """Teachers from cheapest to dearest for this prompt (config order among equals)."""
         return sorted(self.endpoints, key=lambda e: self.expected_cost(e, messages))
 
-    def smallest_worst_case(self, messages: list[dict[str, str]]) -> float:
-        return min(
-            worst_case_cost(e, messages, self.budget_cfg.prompt_overhead_tokens) for e in self.endpoints
-        )
-
     # ------------------------------------------------------------------------------------ asks
 
+    def record_refusals(self, answers: list[Answer]) -> None:
+        """Write the ledger rows of the ``budget`` answers among ``answers`` (a step that gave up)."""
+        for a in answers:
+            if a.refusal is not None:
+                self.store.record_call(a.refusal)
+
     async def ask(
-        self, endpoint: TeacherEndpointConfig, messages: list[dict[str, str]], trace_id: str, turn_index: int
+        self,
+        endpoint: TeacherEndpointConfig,
+        messages: list[dict[str, str]],
+        trace_id: str,
+        turn_index: int,
+        deadline: float | None = None,
     ) -> Answer:
-        """Ask ``endpoint`` for the next action at this state (see the module docstring)."""
+        """Ask ``endpoint`` for the next action at this state (see the module docstring);
+        ``deadline`` (``time.monotonic``) bounds the whole call, retries included."""
+        if deadline is None:
+            deadline = time.monotonic() + 1e9
         key = cache_key(endpoint, messages)
         shared = self._in_flight.get(key)
         if shared is not None:  # the same question is being asked right now: wait for its answer
@@ -146,7 +169,7 @@ class TeacherPool:
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._in_flight[key] = future
         try:
-            answer = await self._call(endpoint, key, messages, trace_id, turn_index)
+            answer = await self._call(endpoint, key, messages, trace_id, turn_index, deadline)
             future.set_result(answer)
             return answer
         except BaseException as e:
@@ -175,63 +198,121 @@ class TeacherPool:
         messages: list[dict[str, str]],
         trace_id: str,
         turn_index: int,
+        deadline: float,
     ) -> Answer:
-        overhead = self.budget_cfg.prompt_overhead_tokens
-        worst = worst_case_cost(endpoint, messages, overhead)
-        reservation = self.budget.reserve(trace_id, worst)
-        if reservation is None:
-            self.store.record_call(
-                LedgerRow(
-                    trace_id, turn_index, endpoint.id, endpoint.model, key, 0, 0, 0.0, 0.0, 0, "budget",
-                    f"worst case ${worst:.6f} does not fit the remaining budget",
-                )
-            )  # fmt: skip
-            return Answer(endpoint.id, None, "budget", 0.0, "budget")
-        dollars = 0.0
+        caller = self._callers[endpoint.id]
+        bound_in = prompt_token_bound(messages, self.budget_cfg.prompt_overhead_tokens)
+        started = time.monotonic()
+        dollars = 0.0  # the finished attempts' cost
+        reservation_id: int | None = None
+        attempt: Attempt | None = None
+        number = 0
+        async with caller.slot():  # waiting for a slot holds no money
+            while True:
+                number += 1
+                reservation = self.budget.reserve_call(trace_id, endpoint, bound_in)
+                if reservation is None:
+                    if attempt is not None:  # a retry the budget no longer covers: the call ends here
+                        break
+                    refusal = LedgerRow(
+                        trace_id, turn_index, endpoint.id, endpoint.model, key, 0, 0, 0.0, 0.0, 0, "budget",
+                        f"a reply of {self.budget.reply_bound(endpoint)} tokens does not fit the remaining budget",
+                    )  # fmt: skip
+                    return Answer(endpoint.id, None, "budget", 0.0, "budget", refusal)
+                max_tokens = reservation.max_tokens or endpoint.max_tokens
+                try:
+                    reservation_id = self.store.reserve_call(
+                        reservation_id,
+                        LedgerRow(
+                            trace_id, turn_index, endpoint.id, endpoint.model, key, 0, 0,
+                            dollars + reservation.amount, 0.0, number, "reserved",
+                        ),
+                    )  # fmt: skip
+                    body = {"model": endpoint.model, "messages": messages, **_sampling(endpoint)}
+                    body["max_tokens"], body["stream"] = max_tokens, False
+                    attempt = await caller.attempt(body, endpoint.retry.timeout_s, deadline)
+                except BaseException:  # cancelled: the durable reservation stays, charged in full
+                    self.budget.settle(reservation, reservation.amount)
+                    raise
+                tokens_in, tokens_out, estimated = _usage(attempt.data, bound_in, max_tokens)
+                if not estimated:
+                    cost = call_cost(endpoint, tokens_in, tokens_out)
+                else:  # no usage: the worst case if the provider may have billed it
+                    cost = reservation.amount if attempt.billable else 0.0
+                self.budget.settle(reservation, cost)
+                dollars += cost
+                if attempt.ok:
+                    return self._answered(
+                        endpoint, key, messages, trace_id, turn_index, attempt, number, started, dollars,
+                        tokens_in, tokens_out, estimated, max_tokens, reservation_id,
+                    )  # fmt: skip
+                retry = endpoint.retry
+                if not attempt.retryable or number > retry.max_retries:
+                    break
+                wait = caller.backoff(number, attempt.retry_after, retry.backoff_s, retry.max_backoff_s)
+                if time.monotonic() + wait >= deadline:
+                    break
+                await asyncio.sleep(wait)
+        assert attempt is not None and attempt.kind is not None
+        error = f"{attempt.kind}: {attempt.message}"
+        self.store.record_call(
+            LedgerRow(
+                trace_id, turn_index, endpoint.id, endpoint.model, key,
+                tokens_in if not estimated else 0, tokens_out if not estimated else 0, dollars,
+                time.monotonic() - started, number, attempt.kind, error,
+            ),
+            reservation_id=reservation_id,
+        )  # fmt: skip
+        return Answer(endpoint.id, None, attempt.kind, dollars, error)
+
+    def _answered(
+        self,
+        endpoint: TeacherEndpointConfig,
+        key: str,
+        messages: list[dict[str, str]],
+        trace_id: str,
+        turn_index: int,
+        attempt: Attempt,
+        number: int,
+        started: float,
+        dollars: float,
+        tokens_in: int,
+        tokens_out: int,
+        estimated: bool,
+        max_tokens: int,
+        reservation_id: int | None,
+    ) -> Answer:
+        if not estimated:
+            self.budget.observe_reply(endpoint.id, tokens_out)
+        choice = attempt.data["choices"][0]
+        message = choice["message"]
+        kept = {k: message.get(k) for k in ("content", "tool_calls") if message.get(k) is not None}
+        action: Action | None
+        parse = parse_agent_reply if endpoint.protocol == "agent" else parse_answer
         try:
-            body = {"model": endpoint.model, "messages": messages, **_sampling(endpoint)}
-            result = await self._clients[endpoint.id].chat_completion(body)
-            tokens_in, tokens_out, estimated = _usage(
-                result.data, prompt_token_bound(messages, overhead), endpoint.max_tokens
-            )
-            if not result.ok:
-                # An error answer is not billed unless the endpoint says it used tokens.
-                dollars = call_cost(endpoint, tokens_in, tokens_out) if not estimated else 0.0
-                self.store.record_call(
-                    LedgerRow(
-                        trace_id, turn_index, endpoint.id, endpoint.model, key,
-                        tokens_in if not estimated else 0, tokens_out if not estimated else 0, dollars,
-                        result.latency_s, result.attempts, result.error_kind or "error", result.error,
-                    )
-                )  # fmt: skip
-                return Answer(endpoint.id, None, result.error_kind or "error", dollars, result.error)
-            dollars = call_cost(endpoint, tokens_in, tokens_out)
-            message = result.data["choices"][0]["message"]
-            kept = {k: message.get(k) for k in ("content", "tool_calls") if message.get(k) is not None}
-            action: Action | None
-            parse = parse_agent_reply if endpoint.protocol == "agent" else parse_answer
-            try:
-                action, outcome, error = parse(message), "ok", None
-            except ParseError as e:
-                action, outcome, error = None, "malformed", str(e)
-            if estimated:
-                error = (error + "; " if error else "") + "no usage in the answer: charged the worst case"
-            self.store.record_call(
-                LedgerRow(
-                    trace_id, turn_index, endpoint.id, endpoint.model, key, tokens_in, tokens_out, dollars,
-                    result.latency_s, result.attempts, outcome, error,
-                ),
-                cache={
-                    "prompt_hash": prompt_hash(messages),
-                    "sampling": json.dumps(_sampling(endpoint), sort_keys=True),
-                    "message": kept,
-                    "action": action_to_json(action) if action is not None else None,
-                    "parse_error": error if action is None else None,
-                },
-            )  # fmt: skip
-            return Answer(endpoint.id, action, outcome, dollars, error)
-        finally:
-            self.budget.settle(reservation, dollars)
+            action, outcome, error = parse(message), "ok", None
+        except ParseError as e:
+            action, outcome, error = None, "malformed", str(e)
+        if estimated:
+            error = (error + "; " if error else "") + "no usage in the answer: charged the worst case"
+        # An answer cut short by a max_tokens lowered for the budget is not the answer at the
+        # configured sampling settings: paid and used, but not cached.
+        cut = max_tokens < endpoint.max_tokens and choice.get("finish_reason") == "length"
+        self.store.record_call(
+            LedgerRow(
+                trace_id, turn_index, endpoint.id, endpoint.model, key, tokens_in, tokens_out, dollars,
+                time.monotonic() - started, number, outcome, error,
+            ),
+            cache=None if cut else {
+                "prompt_hash": prompt_hash(messages),
+                "sampling": json.dumps(_sampling(endpoint), sort_keys=True),
+                "message": kept,
+                "action": action_to_json(action) if action is not None else None,
+                "parse_error": error if action is None else None,
+            },
+            reservation_id=reservation_id,
+        )  # fmt: skip
+        return Answer(endpoint.id, action, outcome, dollars, error)
 
 
 def _usage(data: Any, bound_in: int, bound_out: int) -> tuple[int, int, bool]:

@@ -87,10 +87,11 @@ class ReferenceScorer:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def completion_ids(self, text: str) -> list[int]:
+    def completion_ids(self, text: str, end: bool = True) -> list[int]:
+        """``text``'s tokens, with the end token unless ``end`` is false."""
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         eos = self.tokenizer.eos_token_id
-        return [*ids, eos] if eos is not None else ids
+        return [*ids, eos] if eos is not None and end else ids
 
     def end_with_eos(self, ids: list[int]) -> list[int]:
         eos = self.tokenizer.eos_token_id

@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +89,9 @@ class Replayer:
         self.store = store
         self.pool = pool
         self.student = student
+        self.stopping = threading.Event()
+        """Set (from any thread) to stop starting steps: ``run_pending`` returns once the steps in
+        flight are labeled, and the traces it did not finish stay pending for the next pass."""
 
     # ------------------------------------------------------------------------------------ plan
 
@@ -136,12 +141,20 @@ class Replayer:
 
         async with asyncio.TaskGroup() as group:
             for trace_id in self.store.pending_traces():
+                if self.stopping.is_set():
+                    break
                 trace = self.store.load_trace(trace_id)
                 plan = {p.turn_index: p for p in self.plan(trace)}
-                touched.append(trace_id)
+                complete = True
                 for turn_index in self.store.pending_steps(trace_id):
                     await semaphore.acquire()
+                    if self.stopping.is_set():
+                        semaphore.release()
+                        complete = False
+                        break
                     group.create_task(label_released(trace, plan[turn_index]))
+                if complete:
+                    touched.append(trace_id)
         for trace_id in touched:
             self.store.mark_trace_done(trace_id)
         return num_labeled
@@ -150,12 +163,12 @@ class Replayer:
         self, trace: Trace, planned: PlannedStep, messages: list[dict[str, str]]
     ) -> list[Answer]:
         order = self.pool.cascade_order(messages)
-
+        deadline = time.monotonic() + self.cfg.step_timeout_s
         agent = student_messages(trace, planned.turn_index)
 
         def ask(endpoint: TeacherEndpointConfig) -> Awaitable[Answer]:
             prompt = agent if endpoint.protocol == "agent" else messages
-            return self.pool.ask(endpoint, prompt, trace.trace_id, planned.turn_index)
+            return self.pool.ask(endpoint, prompt, trace.trace_id, planned.turn_index, deadline)
 
         if not self.cfg.gate.cascade or len(order) == 1:
             return list(await asyncio.gather(*(ask(e) for e in order)))
@@ -170,13 +183,17 @@ class Replayer:
         """Ask the teachers at one step and store its label (and pair candidate)."""
         turn_index = planned.turn_index
         messages = teacher_messages(trace, turn_index, self.cfg.instructions)
-        if self.pool.budget.run_exhausted(self.pool.smallest_worst_case(messages)):
-            self._finish_budget(trace, turn_index, [])
-            return None
-        answers = await self._ask_all(trace, planned, messages)
-        if all(a.outcome == "budget" for a in answers):
-            self._finish_budget(trace, turn_index, answers)
-            return None
+        budget = self.pool.budget
+        while True:  # refused for money: wait for calls in flight to settle, then try again
+            generation = budget.generation
+            answers = await self._ask_all(trace, planned, messages)
+            if not all(a.outcome == "budget" for a in answers):
+                break
+            if not await budget.wait_for_release(generation):  # nothing in flight: final
+                self.pool.record_refusals(answers)
+                self._finish_budget(trace, turn_index, answers)
+                return None
+        self.pool.record_refusals(answers)  # a teacher of the cascade the budget did not cover
         trace_action = turn_action(trace.turns[turn_index])
         votes = [Vote(a.teacher, a.action, a.dollars, a.error) for a in answers]
         label = label_step(trace_action, votes, self.cfg.pairs)
@@ -265,6 +282,7 @@ class Replayer:
                 "votes": label.clusters,
                 "cost_usd": cost,
                 "trace_source": trace.source,
+                "rejected_truncated": turn.finish_reason == "length",
             },
         )
 
@@ -298,11 +316,14 @@ def reference_pass(
                 if row["chosen_ids"]
                 else scorer.completion_ids(row["chosen_text"])
             )
-            rejected = (
-                scorer.end_with_eos(json.loads(row["rejected_ids"]))
-                if row["rejected_ids"]
-                else scorer.completion_ids(row["rejected_text"])
-            )
+            # A rejected side cut at the token budget is kept as sampled: the policy never sampled
+            # an end token there, so none is added (it would teach away from one it did not emit).
+            truncated = bool(json.loads(row["provenance"]).get("rejected_truncated"))
+            if row["rejected_ids"]:
+                rejected = json.loads(row["rejected_ids"])
+                rejected = rejected if truncated else scorer.end_with_eos(rejected)
+            else:
+                rejected = scorer.completion_ids(row["rejected_text"], end=not truncated)
             length = len(context) + max(len(chosen), len(rejected))
             if length > max_pair_tokens:
                 store.set_pair_status(

@@ -2,11 +2,12 @@
 
 Start-up: take an exclusive lock on ``<output_dir>/teacher/service.lock`` (two services on one
 store would each think they own the budget), open the store, import the configured trace files,
+charge the calls a previous process left in flight at their worst case (``settle_orphans``),
 rebuild spending from the ledger. Then:
 
 - ``serve = false``: label everything pending, compute reference logprobs, log the stats, exit;
 - ``serve = true``: serve the routes (``server.py``) and repeat "label what is pending" until
-  SIGTERM/SIGINT, waking early when ``POST /v1/traces`` brings new traces; a worker thread turns
+  SIGTERM/SIGINT (which lets the steps in flight finish and starts no others), waking early when ``POST /v1/traces`` brings new traces; a worker thread turns
   pending pair candidates into ready pairs meanwhile. The event loop of the routes does nothing
   else: the replay loop runs on its own event loop in a thread, POSTed bodies are parsed and stored
   in a worker process (``ingest.py``), so ``/health`` answers at once whatever the load. The bound address is written to
@@ -34,13 +35,15 @@ from prime_composer.io import atomic_write_text
 from prime_composer.metrics import MetricsLogger
 from prime_composer.teacher.budget import Budget
 from prime_composer.teacher.ingest import TraceIngestor
-from prime_composer.teacher.pool import StudentSampler, TeacherPool
+from prime_composer.teacher.pool import LIMIT_OUTCOMES, StudentSampler, TeacherPool
 from prime_composer.teacher.reference import ReferenceScorer
 from prime_composer.teacher.replay import Replayer, import_sources, reference_pass
 from prime_composer.teacher.server import build_app, resolve_secret
 from prime_composer.teacher.store import TeacherStore
 
 logger = logging.getLogger("prime_composer.teacher")
+
+COUNTED_OUTCOMES = (*LIMIT_OUTCOMES, "budget", "orphaned")
 
 
 @contextlib.contextmanager
@@ -84,6 +87,7 @@ def _summary(stats: dict[str, Any]) -> dict[str, float]:
     every labeled step so far, that went to the trace's own action (1: the teachers would have done
     what the policy did; with the cascade, a step where the cheapest teacher agreed counts one vote)."""
     votes = stats["votes"]
+    # Calls cut off by a bound, refused for money, or orphaned by a crash, each by kind.
     return {
         "teacher/agreement_rate": votes["for_trace"] / votes["total"] if votes["total"] else 0.0,
         "teacher/votes": votes["total"],
@@ -93,6 +97,7 @@ def _summary(stats: dict[str, Any]) -> dict[str, float]:
         "teacher/steps_pair": stats["steps"].get("pair", 0),
         "teacher/steps_confirmed": stats["steps"].get("confirmed", 0),
         "teacher/traces_done": stats["traces"].get("done", 0),
+        **{f"teacher/calls_{kind}": stats["calls"].get(kind, 0) for kind in COUNTED_OUTCOMES},
     }
 
 
@@ -124,6 +129,9 @@ def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host.strip("[]"), port))
+    # Listening now, before service.json names the address: a client that reads it at once is
+    # queued in the backlog, not refused, while uvicorn's task has not started yet.
+    sock.listen(2048)
     return sock
 
 
@@ -133,6 +141,14 @@ async def _wait(event: asyncio.Event, timeout: float) -> None:
 
 
 async def _run(cfg: TeacherServiceConfig, store: TeacherStore, secret: str | None) -> None:
+    num_orphans, orphaned_usd = store.settle_orphans()
+    if num_orphans:
+        logger.warning(
+            "%d teacher calls were in flight when the last process stopped: charged at their reserved "
+            "worst case, $%.6f (ledger outcome 'orphaned')",
+            num_orphans,
+            orphaned_usd,
+        )
     budget = Budget(cfg.budget, store.spent_by_trace())
     try:  # an API key variable that is named but not set is the user's to fix
         pool = TeacherPool(
@@ -182,7 +198,8 @@ class _ReplayThread:
         self._call(self._wake.set)
 
     def stop(self) -> None:
-        """Finish the pass in progress, then return from ``run`` (any thread)."""
+        """Finish the steps in flight (no new ones start), then return from ``run`` (any thread)."""
+        self.replayer.stopping.set()
         self._call(self._stop.set)
         self._call(self._wake.set)
 
@@ -245,7 +262,8 @@ async def _serve(
 
     async def reference_loop() -> None:
         try:  # loading takes seconds (torch, transformers, the weights): start before any pair
-            await asyncio.to_thread(scorer.load)
+            if cfg.reference.preload:
+                await asyncio.to_thread(scorer.load)
         except Exception:  # a model that cannot load is retried by the passes below, and logged
             logger.exception("loading the reference model %s failed", scorer.name)
         while not stop.is_set():

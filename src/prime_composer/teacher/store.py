@@ -14,7 +14,14 @@ change, and a restart continues from there:
   a cached answer is never paid for again.
 - ``ledger``: one row per attempted call (and per cache hit or budget refusal): teacher, model,
   tokens in/out, dollars, latency, attempts, outcome (ok | malformed | cache_hit | budget | timeout
-  | connection | http_<status> | bad_json | bad_response) and the error message.
+  | step_deadline | connection | http_<status> | bad_json | bad_response | too_large |
+  too_many_tokens | orphaned) and the error message.
+- ``reservations``: one row per teacher call in flight, written (and updated before each retry)
+  before its request is sent, holding what it may cost at most (the known cost of its finished
+  attempts plus the worst case of the current one); the transaction that records the call's ledger
+  row removes it. A row left by a process that died becomes, at the next start, a ledger row of
+  outcome ``orphaned`` at that worst case (``settle_orphans``): the ledger never undercounts what a
+  provider may have billed.
 - ``pairs``: one row per (state hash, chosen action, rejected action), so a pair is never written
   twice; ``status`` pending_ref -> ready (token ids and reference logprobs filled in, ``cursor``
   assigned in increasing order) or too_long / failed.
@@ -130,6 +137,17 @@ CREATE TABLE IF NOT EXISTS pairs (
     UNIQUE (state_hash, chosen_key, rejected_key)
 );
 CREATE INDEX IF NOT EXISTS pairs_status ON pairs (status);
+CREATE TABLE IF NOT EXISTS reservations (
+    reservation_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time REAL NOT NULL,
+    trace_id TEXT,
+    turn_index INTEGER,
+    teacher TEXT NOT NULL,
+    model TEXT NOT NULL,
+    cache_key TEXT,
+    dollars REAL NOT NULL,
+    attempts INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS import_errors (
     source TEXT NOT NULL,
     line INTEGER NOT NULL,
@@ -438,13 +456,65 @@ class TeacherStore:
             dollars=r["dollars"],
         )
 
-    def record_call(self, row: LedgerRow, cache: dict[str, Any] | None = None) -> None:
-        """Append a ledger row and, for a paid answer, its cache entry, in one transaction.
+    def reserve_call(self, reservation_id: int | None, row: LedgerRow) -> int:
+        """Write (or, with ``reservation_id``, update) the durable reservation of a call about to be
+        sent: ``row.dollars`` is the most it may cost, ``row.attempts`` the attempts it covers.
+        Committed before the request leaves."""
+        with self._tx() as c:
+            if reservation_id is not None:
+                c.execute(
+                    "UPDATE reservations SET dollars = ?, attempts = ?, time = ? WHERE reservation_id = ?",
+                    (row.dollars, row.attempts, time.time(), reservation_id),
+                )
+                return reservation_id
+            cursor = c.execute(
+                "INSERT INTO reservations (time, trace_id, turn_index, teacher, model, cache_key, dollars,"
+                " attempts) VALUES (?,?,?,?,?,?,?,?)",
+                (
+                    time.time(), row.trace_id, row.turn_index, row.teacher, row.model, row.cache_key,
+                    row.dollars, row.attempts,
+                ),
+            )  # fmt: skip
+            assert cursor.lastrowid is not None
+            return cursor.lastrowid
+
+    def reservations(self) -> list[dict[str, Any]]:
+        """Calls in flight (or orphaned by a process that died, before ``settle_orphans``)."""
+        return [dict(r) for r in self._conn.execute("SELECT * FROM reservations ORDER BY reservation_id")]
+
+    def settle_orphans(self) -> tuple[int, float]:
+        """Charge every reservation left by a process that died at its worst case (ledger outcome
+        ``orphaned``), in one transaction; returns how many and their dollars. Only the process
+        holding the store's lock may call it (no call of its own is in flight yet)."""
+        with self._tx() as c:
+            rows = c.execute("SELECT * FROM reservations ORDER BY reservation_id").fetchall()
+            for r in rows:
+                c.execute(
+                    "INSERT INTO ledger (time, trace_id, turn_index, teacher, model, cache_key, input_tokens,"
+                    " output_tokens, dollars, latency_s, attempts, outcome, error)"
+                    " VALUES (?,?,?,?,?,?,0,0,?,0,?,'orphaned',?)",
+                    (
+                        time.time(), r["trace_id"], r["turn_index"], r["teacher"], r["model"], r["cache_key"],
+                        r["dollars"], r["attempts"],
+                        "the service stopped with this call in flight; charged its reserved worst case "
+                        "(the provider may have billed it)",
+                    ),
+                )  # fmt: skip
+            c.execute("DELETE FROM reservations")
+        return len(rows), sum(r["dollars"] for r in rows)
+
+    def record_call(
+        self, row: LedgerRow, cache: dict[str, Any] | None = None, reservation_id: int | None = None
+    ) -> None:
+        """Append a ledger row and, for a paid answer, its cache entry, in one transaction that also
+        removes the call's durable reservation (``reservation_id``), if it had one.
 
         ``cache`` holds ``prompt_hash``, ``sampling`` (JSON text), ``message``, ``action`` and
         ``parse_error``; the tokens and dollars come from ``row``.
         """
         with self._tx() as c:
+            if reservation_id is not None:
+                c.execute("DELETE FROM reservations WHERE reservation_id = ?", (reservation_id,))
             c.execute(
                 "INSERT INTO ledger (time, trace_id, turn_index, teacher, model, cache_key, input_tokens,"
                 " output_tokens, dollars, latency_s, attempts, outcome, error) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",

@@ -83,11 +83,14 @@ class Turn(_Strict):
     """Assistant turns only: the action's tokens as sampled (with the end-of-turn token)."""
     prompt_token_ids: list[TokenId] | None = None
     """Assistant turns only: the exact context token ids the student was given."""
+    finish_reason: str | None = None
+    """Assistant turns only: why sampling stopped, when known (``length``: cut at the token budget;
+    a pair's rejected side from such a turn is its tokens as sampled, with no end token added)."""
 
     @model_validator(mode="after")
     def _check_role_fields(self) -> Self:
         if self.role != "assistant":
-            for field in ("tool_calls", "logprobs", "token_ids", "prompt_token_ids"):
+            for field in ("tool_calls", "logprobs", "token_ids", "prompt_token_ids", "finish_reason"):
                 if getattr(self, field):
                     raise ValueError(
                         f"{field} is only allowed on assistant turns (this one is {self.role!r})"
@@ -101,7 +104,9 @@ class Turn(_Strict):
     def state_dict(self) -> dict[str, Any]:
         """What a teacher sees of this turn (no token ids or logprobs): the part hashed into a state."""
         return self.model_dump(
-            mode="json", exclude={"logprobs", "token_ids", "prompt_token_ids"}, exclude_defaults=True
+            mode="json",
+            exclude={"logprobs", "token_ids", "prompt_token_ids", "finish_reason"},
+            exclude_defaults=True,
         )
 
 

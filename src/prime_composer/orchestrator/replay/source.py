@@ -1,13 +1,21 @@
 """Pairs for each step from the teacher service's pair store, in cursor order, none twice.
 
 The pairs come through the teacher client (``teacher/client.py``: ``take_pairs(n, after_cursor)``);
-the cursor of the last pair taken is this source's whole position, saved in the orchestrator's
+the cursor of the last pair taken is this source's position, saved in the orchestrator's
 checkpoint, so a resumed run takes exactly the pairs the interrupted one had not. A step with no
 ready pair trains without the channel (counted in ``replay/pairs``).
+
+Ages: at each step the source notes the newest ready cursor, so a pair's age is the steps since
+the first step at which it was ready (``replay/pair_age_mean``, ``replay/pair_age_max``). With
+``orchestrator.replay.max_pair_age = k`` pairs ready for more than ``k`` steps are skipped (the
+cursor moves past them; ``replay/pairs_stale``), so the trained pairs are at most ``k`` steps old
+even when the service makes pairs faster than the trainer takes them. The notes are saved with the
+cursor.
 """
 
 from __future__ import annotations
 
+import bisect
 from pathlib import Path
 from typing import Any
 
@@ -28,22 +36,50 @@ class PairSource:
         self.teacher = teacher or TeacherClient(store_path(cfg, output_dir))
         self.cursor = 0
         self._taken = 0
+        self._stale = 0
+        self._ages: list[int] = []
+        self._seen: list[tuple[int, int]] = []
+        """``(step, newest ready cursor at that step)`` with increasing cursors, above ``cursor``."""
+
+    def _ready_step(self, cursor: int, step: int) -> int:
+        """The first noted step at which ``cursor`` was ready."""
+        index = bisect.bisect_left([c for _, c in self._seen], cursor)
+        return self._seen[index][0] if index < len(self._seen) else step
 
     async def take(self, step: int) -> list[Any]:
+        newest = self.teacher.newest_cursor()
+        if newest > self.cursor and (not self._seen or newest > self._seen[-1][1]):
+            self._seen.append((step, newest))
+        self._stale = 0
+        if self.cfg.max_pair_age is not None:
+            stale = [c for s, c in self._seen if s < step - self.cfg.max_pair_age]
+            if stale and stale[-1] > self.cursor:  # cursors are contiguous: skip 1..stale[-1]
+                self._stale = stale[-1] - self.cursor
+                self.cursor = stale[-1]
         pairs: list[Pair] = self.teacher.take_pairs(self.cfg.pairs_per_step, after_cursor=self.cursor)
+        self._ages = [step - self._ready_step(p.cursor, step) for p in pairs]
         if pairs:
             self.cursor = pairs[-1].cursor
+        self._seen = [(s, c) for s, c in self._seen if c > self.cursor]
         self._taken = len(pairs)
         return list(pairs)
 
     def metrics(self) -> dict[str, float]:
-        return {"replay/pairs": self._taken, "replay/cursor": self.cursor}
+        ages = self._ages
+        return {
+            "replay/pairs": self._taken,
+            "replay/cursor": self.cursor,
+            "replay/pairs_stale": self._stale,
+            "replay/pair_age_mean": sum(ages) / len(ages) if ages else 0.0,
+            "replay/pair_age_max": max(ages, default=0),
+        }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": self.cursor}
+        return {"cursor": self.cursor, "seen": [list(e) for e in self._seen]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.cursor = int(state.get("cursor", 0))
+        self._seen = [(int(s), int(c)) for s, c in state.get("seen", [])]
 
 
 def store_path(cfg: ReplaySourceConfig, output_dir: Path) -> Path:
