@@ -118,8 +118,12 @@ def warm_start(reference_run: Path) -> tuple[str, ...]:
     return ("--no-warmup.enabled", "--model.name", str(reference_run / "sft" / "final"))
 
 
-def kill_and_resume(out: Path, victim: str, when, warm: tuple[str, ...], poll: float = 0.05) -> str:
-    """Start a run, SIGKILL ``victim`` once ``when(out)`` says so, resume; returns the first output."""
+def kill_and_resume(
+    out: Path, victim: str, when, warm: tuple[str, ...], poll: float = 0.05, armed=None
+) -> str:
+    """Start a run, SIGKILL ``victim`` once ``when(out)`` says so (polled every ``poll`` s once
+    ``armed(out)`` holds, every 50 ms before: a tight loop from the start would take one of two
+    cores from the run), resume; returns the first output."""
     launcher = subprocess.Popen(
         rl_command(out, *DETERMINISTIC, *warm),
         cwd=REPO,
@@ -128,6 +132,8 @@ def kill_and_resume(out: Path, victim: str, when, warm: tuple[str, ...], poll: f
         text=True,
     )
     try:
+        if armed is not None:
+            wait_for(lambda: armed(out), launcher)
         wait_for(lambda: when(out), launcher, poll=poll)
         # Inside the run: its last step is not committed yet (the kill cannot come after its end).
         assert not checkpoint_done(out, NUM_STEPS), "the run ended before the kill point"
@@ -199,5 +205,7 @@ def test_sigkill_of_the_trainer_in_the_middle_of_a_checkpoint(tmp_path: Path, re
         )
 
     # A tight poll: a checkpoint of the tiny model is written in ~50 ms.
-    kill_and_resume(tmp_path, "trainer", mid_checkpoint, warm_start, poll=0.0)
+    kill_and_resume(
+        tmp_path, "trainer", mid_checkpoint, warm_start, poll=0.0, armed=lambda out: checkpoint_done(out, 1)
+    )
     assert_same_run(tmp_path, reference)
