@@ -28,7 +28,13 @@ from feature_deletion.episode import Episode, FeatureDeletion  # noqa: E402
 from feature_deletion.spec import CI_MANIFEST, Store, load_manifest  # noqa: E402
 from feature_deletion.tasks import Task, write_tasks  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="isolated runs need root")
+# The module's fixtures build the CI corpus and generate its tasks (~20-60 s on 2 cores) and every
+# grade is two sandboxed runs: ~2 min of worker time in all, so the whole module is out of the
+# fast lane, which keeps the environment's unit tests (tests/unit/test_feature_deletion_*.py).
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="isolated runs need root"),
+]
 
 HIDDEN = [p for p in (Path("/work"),) if p.is_dir()]
 """Other checkouts of this repository on the development machines (they hold the CI sources)."""
