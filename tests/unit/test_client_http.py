@@ -151,3 +151,42 @@ def test_unset_key_variable_names_the_config_field(monkeypatch: pytest.MonkeyPat
 def test_redact_url_drops_credentials() -> None:
     assert redact_url("https://user:pw@host.example/v1") == "https://host.example/v1"
     assert redact_url("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1"
+
+
+def test_a_trickling_answer_is_cut_at_the_attempts_time_limit() -> None:
+    """A server that sends a byte every 0.1 s never trips httpx's per-read timeout; the attempt's
+    wall clock (``timeout_s``) still ends it, as a timeout recorded as data."""
+    import socket
+    import threading
+    import time
+
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+            for _ in range(100):
+                if stop.is_set():
+                    return
+                try:
+                    conn.sendall(b" ")
+                except OSError:
+                    return
+                time.sleep(0.1)
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    client = EndpointClient(
+        f"http://127.0.0.1:{server.getsockname()[1]}/v1", retry=RetryConfig(timeout_s=0.5, max_retries=0)
+    )
+    try:
+        result = run(client.get_json("/models"))
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        server.close()
+    assert result.error_kind == "timeout" and not result.ok
+    assert result.latency_s < 3.0  # the whole answer would take 10 s

@@ -222,8 +222,11 @@ class EndpointClient:
     ) -> tuple[int | None, Any, str | None, str, float | None]:
         """One attempt: ``(status, data, error kind or None, message, Retry-After seconds)``."""
         try:
-            response = await self._http().request(method, url, json=body, headers=self._headers)
-        except httpx.TimeoutException as e:
+            # httpx's timeout bounds each read; the attempt as a whole (a server that trickles
+            # its answer) is bounded by the wall clock.
+            async with asyncio.timeout(self.retry.timeout_s):
+                response = await self._http().request(method, url, json=body, headers=self._headers)
+        except (httpx.TimeoutException, TimeoutError) as e:
             return (
                 None,
                 None,
