@@ -76,6 +76,7 @@ def make_samples(args: argparse.Namespace, hinted_fraction: float, vocab: int) -
     import random
 
     from prime_composer.orchestrator.sample import Sample
+    from prime_composer.orchestrator.sdpo.target import set_sdpo_target
 
     rng = random.Random(0)
     per_row = max(1, args.seq_len // (args.prompt_len + args.completion_len))
@@ -97,7 +98,7 @@ def make_samples(args: argparse.Namespace, hinted_fraction: float, vocab: int) -
         # Evenly spread: sample i is hinted when floor(f * (i + 1)) > floor(f * i).
         if math.floor(hinted_fraction * (i + 1) + 1e-9) > math.floor(hinted_fraction * i + 1e-9):
             hint = [rng.randrange(3, vocab) for _ in range(args.hint_len)]
-            s.set_sdpo_target((0, len(completion)), prompt + hint)
+            set_sdpo_target(s, (0, len(completion)), prompt + hint)
         samples.append(s)
     return samples
 
@@ -111,6 +112,7 @@ def build_case(args: argparse.Namespace, case: str) -> Callable[[], None]:
     from prime_composer.config.optim import OptimConfig
     from prime_composer.orchestrator.packing import pack_step
     from prime_composer.orchestrator.sdpo.packing import SDPOPacker
+    from prime_composer.orchestrator.sdpo.target import sdpo_target
     from prime_composer.trainer.losses.base import TermContext, build_terms
     from prime_composer.trainer.optim import build_optimizer, clip_grad_norm
     from prime_composer.trainer.step import train_step
@@ -144,7 +146,7 @@ def build_case(args: argparse.Namespace, case: str) -> Callable[[], None]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    num_hinted = sum(s.sdpo is not None for s in samples)
+    num_hinted = sum(sdpo_target(s) is not None for s in samples)
     step.info = (  # type: ignore[attr-defined]
         f"hinted {num_hinted}/{len(samples)}, teacher rows "
         f"{sum(g.teacher_input_ids.shape[0] for mb in micro_batches if (g := mb.groups.get('sdpo')) is not None)}, student rows "

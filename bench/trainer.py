@@ -20,16 +20,22 @@ preparation are not.
   ``accelerator.clip_grad_norm_``, ``optimizer.step`` (its default optimizer), scheduler step,
   ``zero_grad``.
 
+- ``raw``: the physical limit of the step, a third copy of the weights trained on our packed
+  micro-batches with no RL bookkeeping: the decoder forward, the output head at the loss tokens
+  only, ``F.cross_entropy``, backward, the same clip and AdamW (``RawStep``).
+
 Tokens/s counts the samples' real tokens (prompt + completion, no padding), the same number for
-both, so the ratio is TRL's step time over ours. The two trainers run alternately step by step
-(drift on a shared machine hits both), with ``torch.set_num_threads(--threads)``; each reports the
-median over ``--steps`` steps after ``--warmup`` steps. As a check that the work is the same, the
-first step's losses of the two must agree (same weights, same objective).
+all, so the ratio is TRL's step time over ours. The sides run one after the other in every round,
+their order rotating (drift on a shared machine hits all alike), with
+``torch.set_num_threads(--threads)``; each reports the median over ``--steps`` rounds after
+``--warmup``, and each ratio is the median over the rounds of that round's ratio. As a check that
+the work is the same, the first step's losses of ours and TRL's must agree (same weights, same
+objective).
 
 Configs: ``tiny`` is ``builtin:tiny-qwen3`` (0.45M parameters; overhead-bound) and ``qwen3-512x8``
 a Qwen3 built from a config with random weights (hidden 512, 8 layers, vocab ``--vocab``), where
-the matmuls dominate. The last line is ``ratio_vs_trl=X`` for ``--main`` (``tiny`` by default;
-target X >= 1.0, goal 1.5): X = our tokens/s / TRL tokens/s.
+the matmuls dominate. The last line is ``ratio_vs_trl=X ratio_vs_raw=Y`` for ``--main`` (``tiny``
+by default; targets X >= 2.0, Y <= 1.15): X = TRL's step time / ours, Y = ours / the raw step's.
 
 Run::
 
@@ -57,6 +63,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from prime_composer.config.base import ModelConfig
@@ -93,7 +100,8 @@ class Workload:
 
 
 def build_models(name: str, vocab: int) -> tuple[nn.Module, nn.Module, Any]:
-    """``(ours, theirs, tokenizer)``: two copies of the same weights (TRL patches its model's forward)."""
+    """``(ours, theirs, tokenizer)``: two copies of the same weights (TRL patches its model's forward;
+    the raw side gets a third copy of ours)."""
     model, tokenizer = load_model(
         ModelConfig(name="builtin:tiny-qwen3", dtype="float32"), torch.device("cpu")
     )
@@ -162,6 +170,43 @@ def make_samples(
         for s in group:
             s.advantage = s.reward - mean
     return samples
+
+
+class RawStep:
+    """The physical limit of the step: the packed forward, a plain cross-entropy, backward, AdamW.
+
+    The same micro-batches as ``OursStep`` (same rows, same loss tokens), no RL bookkeeping: the
+    decoder's hidden states, the output head applied at the loss tokens only (``hidden[t - 1]``
+    predicts token ``t``), ``F.cross_entropy`` summed and divided by the step's loss-token count,
+    backward per micro-batch, then the same clip and AdamW step. The indices of the loss tokens are
+    input preparation (not timed), as the packing is.
+    """
+
+    def __init__(self, model: nn.Module, micro_batches: list[MicroBatch]) -> None:
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.head = model.get_output_embeddings()
+        self.inputs = []
+        for mb in micro_batches:
+            rows, cols = (mb.loss_mask & (mb.position_ids != 0)).nonzero(as_tuple=True)
+            self.inputs.append((mb.input_ids, mb.position_ids, rows, cols - 1, mb.input_ids[rows, cols]))
+        self.num_loss_tokens = sum(len(x[2]) for x in self.inputs)
+        optim_cfg = OptimConfig(lr=LR, max_grad_norm=MAX_GRAD_NORM)
+        self.optimizer, self.scheduler = build_optimizer(model, optim_cfg, max_steps=1000)
+
+    def __call__(self) -> tuple[float, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for input_ids, position_ids, rows, prev, targets in self.inputs:
+            hidden = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            logits = self.head(hidden.last_hidden_state[rows, prev])
+            loss = F.cross_entropy(logits, targets, reduction="sum") / self.num_loss_tokens
+            loss.backward()
+            total += loss.detach()
+        grad_norm = clip_grad_norm(self.model, MAX_GRAD_NORM)
+        self.optimizer.step()
+        self.scheduler.step()
+        return total.item(), grad_norm.item()
 
 
 class OursStep:
@@ -313,15 +358,18 @@ def bench_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         tokenizer.pad_token_id,
         args.group_size,
     )
+    raw_model = copy.deepcopy(ours_model)
     ours = OursStep(ours_model, work)
+    raw = RawStep(raw_model, ours.micro_batches)
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as output_dir:
         theirs = TrlStep(trl_model, tokenizer, work, output_dir)
-        steps: dict[str, Callable[[], tuple[float, float]]] = {"ours": ours, "trl": theirs}
-        times: dict[str, list[float]] = {"ours": [], "trl": []}
+        steps: dict[str, Callable[[], tuple[float, float]]] = {"ours": ours, "trl": theirs, "raw": raw}
+        times: dict[str, list[float]] = {key: [] for key in steps}
         first: dict[str, tuple[float, float]] = {}
+        orders = [("ours", "trl", "raw"), ("raw", "ours", "trl"), ("trl", "raw", "ours")]
         for i in range(args.warmup + args.steps):
-            # Alternate who goes first, so slow drift of the machine's load hits both alike.
-            for key in ("ours", "trl") if i % 2 == 0 else ("trl", "ours"):
+            # Rotate who goes first, so slow drift of the machine's load hits all sides alike.
+            for key in orders[i % len(orders)]:
                 began = time.perf_counter()
                 result = steps[key]()
                 elapsed = time.perf_counter() - began
@@ -339,6 +387,10 @@ def bench_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "micro_batches": {"ours": len(ours.micro_batches), "trl": len(theirs.inputs)},
         "median_s": medians,
         "tok_s": {k: work.num_tokens / v for k, v in medians.items()},
+        # Medians of the rounds' ratios: the sides ran back to back in every round, so a round's
+        # ratio sees one load level (the medians of the times alone mix rounds).
+        "ratio_vs_trl": statistics.median(t / o for t, o in zip(times["trl"], times["ours"], strict=True)),
+        "ratio_vs_raw": statistics.median(o / r for o, r in zip(times["ours"], times["raw"], strict=True)),
         "first": first,
     }
 
@@ -378,7 +430,8 @@ def main() -> None:
         results.append(result)
         print(
             f"[{name}] first-step loss ours {result['first']['ours'][0]:.6f} trl {result['first']['trl'][0]:.6f}; "
-            f"grad norm ours {result['first']['ours'][1]:.6f} trl {result['first']['trl'][1]:.6f}",
+            f"grad norm ours {result['first']['ours'][1]:.6f} trl {result['first']['trl'][1]:.6f}; "
+            f"raw (cross-entropy) loss {result['first']['raw'][0]:.6f}",
             flush=True,
         )
 
@@ -388,19 +441,21 @@ def main() -> None:
     header = (
         f"{'config':<13}{'params':>9}{'samples':>8}{'tokens':>8}{'padded ours/trl':>17}{'mb ours/trl':>12}"
     )
-    header += f"{'ours s':>9}{'trl s':>9}{'ours tok/s':>12}{'trl tok/s':>11}{'ratio':>7}"
+    header += (
+        f"{'ours s':>9}{'trl s':>9}{'raw s':>9}{'ours tok/s':>12}{'trl tok/s':>11}{'vs trl':>8}{'vs raw':>8}"
+    )
     print(header)
     for r in results:
         main_mark = " (main)" if r["config"] == args.main else ""
         print(
             f"{r['config']:<13}{r['num_params'] / 1e6:>8.2f}M{r['num_samples']:>8}{r['num_tokens']:>8}"
             f"{r['padded']['ours']:>9}/{r['padded']['trl']:<7}{r['micro_batches']['ours']:>7}/{r['micro_batches']['trl']:<4}"
-            f"{r['median_s']['ours']:>9.3f}{r['median_s']['trl']:>9.3f}"
+            f"{r['median_s']['ours']:>9.3f}{r['median_s']['trl']:>9.3f}{r['median_s']['raw']:>9.3f}"
             f"{r['tok_s']['ours']:>12.0f}{r['tok_s']['trl']:>11.0f}"
-            f"{r['tok_s']['ours'] / r['tok_s']['trl']:>7.2f}{main_mark}"
+            f"{r['ratio_vs_trl']:>8.2f}{r['ratio_vs_raw']:>8.3f}{main_mark}"
         )
     main_result = next(r for r in results if r["config"] == args.main)
-    print(f"ratio_vs_trl={main_result['tok_s']['ours'] / main_result['tok_s']['trl']:.2f}")
+    print(f"ratio_vs_trl={main_result['ratio_vs_trl']:.2f} ratio_vs_raw={main_result['ratio_vs_raw']:.3f}")
 
 
 if __name__ == "__main__":

@@ -172,7 +172,7 @@ def test_head_with_bias_and_low_precision_input() -> None:
     hidden = torch.randn(13, 8, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 50, (13,))
     weights = torch.randn(13, dtype=torch.float64)
-    lp, ent = head_logprobs(hidden, head, targets, 0.5)
+    lp, ent, _ = head_logprobs(hidden, head, targets, 0.5)
     (lp * weights).sum().backward()
     got = (hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone())
     hidden.grad = head.weight.grad = head.bias.grad = None
@@ -184,8 +184,35 @@ def test_head_with_bias_and_low_precision_input() -> None:
         torch.testing.assert_close(mine, expected, atol=1e-6, rtol=1e-5)
     # No loss token at all: empty outputs, zero (not missing) gradients.
     empty = torch.zeros(0, 8, dtype=torch.float64, requires_grad=True)
-    lp, _ = head_logprobs(empty, head, targets[:0], 1.0)
+    lp, _, _ = head_logprobs(empty, head, targets[:0], 1.0)
     assert lp.shape == (0,)
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["probs-kept", "recomputed"])
+def test_head_logits_rows_share_the_logprobs_chunks(monkeypatch: pytest.MonkeyPatch, keep: bool) -> None:
+    """Logits asked for beside the logprobs (unsorted, repeated, across chunk edges) and their
+    gradient, joined in the same backward, against autograd of the plain formula."""
+    monkeypatch.setattr(forward_module, "CHUNK_ELEMENTS", 4 * 50)  # 4 rows per chunk: 4 chunks
+    monkeypatch.setattr(forward_module, "KEEP_ELEMENTS", 1 << 20 if keep else 0)
+    torch.manual_seed(1)
+    head = torch.nn.Linear(8, 50, bias=True).double()
+    hidden = torch.randn(13, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (13,))
+    rows = torch.tensor([12, 3, 4, 3, 0, 7])
+    w_lp, w_logits = torch.randn(13, dtype=torch.float64), torch.randn(6, 50, dtype=torch.float64)
+    lp, ent, logits = head_logprobs(hidden, head, targets, 0.7, True, rows)
+    ((lp * w_lp).sum() + (logits.pow(2) * w_logits).sum()).backward()
+    got = (hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone())
+    hidden.grad = head.weight.grad = head.bias.grad = None
+    z = head(hidden) / 0.7
+    log_p = z.log_softmax(-1)
+    expected_lp = log_p.gather(-1, targets[:, None]).squeeze(-1)
+    ((expected_lp * w_lp).sum() + (z[rows].pow(2) * w_logits).sum()).backward()
+    torch.testing.assert_close(lp, expected_lp.detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(logits, z[rows].detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(ent, -(log_p.exp() * log_p).sum(-1).detach(), atol=1e-12, rtol=0)
+    for mine, expected in zip(got, (hidden.grad, head.weight.grad, head.bias.grad), strict=True):
+        torch.testing.assert_close(mine, expected, atol=1e-10, rtol=1e-8)
 
 
 def surrogate_grads(model: torch.nn.Module, rank_batches: list[list[MicroBatch]]) -> dict[str, torch.Tensor]:

@@ -16,10 +16,15 @@ is then ``[R, 1, V]``) and a forward hook, still inside the model's forward (FSD
 parameters gathered), computes only what the loss terms read:
 
 - the log-probability of every loss token, chunk by chunk over the tokens, by a custom autograd
-  function that keeps one logsumexp per token and recomputes each chunk's logits in backward
-  (``_HeadLogprobs``; the head's weight and bias get their gradients from it);
+  function that keeps one logsumexp per token and, when the ``[N, V]`` probabilities fit in
+  ``KEEP_ELEMENTS``, those too (a plain cross-entropy keeps as much), or else recomputes each
+  chunk's logits in backward (``_HeadLogprobs``; the head's weight and bias get their gradients
+  from it);
 - the entropy of those tokens, in the same chunks, detached (it is only logged);
-- full logits ``[N, V]`` only at the positions a term asked for (SDPO's target tokens).
+- full logits ``[N, V]`` only at the positions a term asked for (SDPO's target tokens): taken from
+  the same chunks when they are all loss tokens, so the head runs once for both and the term's
+  logit gradient joins the logprobs' before the backward matmuls; other positions get a head
+  pass of their own.
 
 Outputs are aligned with ``input_ids`` like every ``MicroBatch`` tensor: the value at ``t`` is
 about token ``t``, computed from the hidden state at ``t - 1``. Tokens outside the loss mask get
@@ -43,6 +48,10 @@ PACKING_AWARE_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2
 
 CHUNK_ELEMENTS = 1 << 24
 """fp32 logits materialized at once (64 MiB): the chunk size of the head's passes is this / V."""
+
+KEEP_ELEMENTS = 1 << 26
+"""Up to this many ``[N, V]`` probabilities (256 MiB in fp32) the head keeps them for backward
+instead of recomputing its logits there; the 8k-token, 152k-vocabulary case stays lean."""
 
 POST_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
 """Config attributes of architectures that change logits after the head (Gemma 2/3, Cohere, Granite,
@@ -151,17 +160,28 @@ def forward_rows(
     def score(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
         hidden = result.pop("hidden")
         rows, cols = scored.nonzero(as_tuple=True)
-        logprobs, entropies = head_logprobs(
-            hidden[rows, cols - 1], head, input_ids[rows, cols], temperature, entropy
+        # A term's logits rows that are all loss tokens come out of the logprobs' own chunks (one
+        # head matmul and one backward pair for both); others get a head pass of their own.
+        slot = torch.cumsum(scored.reshape(-1), 0).sub_(1)
+        shared = {name: slot[m.reshape(-1)] for name, m in masks.items() if not bool((m & ~scored).any())}
+        logprobs, entropies, shared_logits = head_logprobs(
+            hidden[rows, cols - 1],
+            head,
+            input_ids[rows, cols],
+            temperature,
+            entropy,
+            torch.cat(list(shared.values())) if shared else None,
         )
         result["logprobs"] = logprobs.new_zeros(scored.shape).index_put((rows, cols), logprobs)
         result["entropy"] = entropies.new_zeros(scored.shape).index_put((rows, cols), entropies)
-        picked = {}
+        picked = dict(zip(shared, shared_logits.split([len(i) for i in shared.values()]), strict=True))
         for name, mask in masks.items():
+            if name in shared:
+                continue
             r, c = mask.nonzero(as_tuple=True)
             logits = F.linear(hidden[r, c - 1], head.weight, head.bias)
             picked[name] = logits.to(_compute_dtype(logits.dtype)) / temperature
-        result["logits"] = picked
+        result["logits"] = {name: picked[name] for name in masks}
 
     pre = head.register_forward_pre_hook(keep_one_position)
     post = head.register_forward_hook(score)
@@ -174,8 +194,13 @@ def forward_rows(
 
 
 def head_logprobs(
-    hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, temperature: float, entropy: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden: torch.Tensor,
+    head: nn.Linear,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy: bool = True,
+    logits_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``log_softmax(head(hidden) / T)[targets]`` and the entropies of those distributions, chunked.
 
     Args:
@@ -184,13 +209,17 @@ def head_logprobs(
         targets: ``[N]`` token ids.
         temperature: the sampling temperature (> 0).
         entropy: also compute the (detached) entropies; zeros otherwise.
+        logits_rows: ``[M]`` indices into the N rows whose whole logits the caller also wants.
 
     Returns:
-        ``([N] float32 logprobs, [N] float32 entropies)``.
+        ``([N] float32 logprobs, [N] float32 entropies, [M, V] float32 logits / T)``; the logits
+        carry gradient (it joins the logprobs' in the same backward matmuls).
     """
     weight, bias = head.weight, head.bias
     chunk = max(1, CHUNK_ELEMENTS // weight.shape[0])
-    return _HeadLogprobs.apply(hidden, weight, bias, targets, float(temperature), chunk, entropy)
+    if logits_rows is None:
+        logits_rows = torch.zeros(0, dtype=torch.long, device=hidden.device)
+    return _HeadLogprobs.apply(hidden, weight, bias, targets, float(temperature), chunk, entropy, logits_rows)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -198,8 +227,19 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[N] row-wise dot products of two [N, K] tensors, without an [N, K] product temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
 class _HeadLogprobs(torch.autograd.Function):
-    """Logprobs of ``targets`` under ``F.linear(hidden, weight, bias) / T`` without keeping logits."""
+    """Logprobs of ``targets`` under ``F.linear(hidden, weight, bias) / T`` without keeping logits.
+
+    When the ``[N, V]`` probabilities fit in ``KEEP_ELEMENTS`` the forward keeps them and the
+    backward reads them instead of recomputing each chunk's logits (one head matmul and one
+    exponential fewer, the price of a plain cross-entropy's saved log-softmax); above it, nothing
+    ``[N, V]`` survives the forward. Both backwards compute the same numbers in the same order.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -211,33 +251,54 @@ class _HeadLogprobs(torch.autograd.Function):
         temperature: float,
         chunk: int,
         entropy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logits_rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         num = hidden.shape[0]
         dtype = _compute_dtype(weight.dtype)
+        # Where each chunk's rows go in the [M, V] logits output (sorted, so a chunk's are a slice).
+        order = torch.argsort(logits_rows, stable=True)
+        wanted = logits_rows[order]
+        bounds = torch.searchsorted(
+            wanted, torch.arange(0, num + chunk, chunk, device=wanted.device)
+        ).tolist()
+        sub = torch.empty((len(logits_rows), weight.shape[0]), dtype=dtype, device=hidden.device)
         out = torch.empty(num, dtype=dtype, device=hidden.device)
         lse = torch.empty(num, dtype=dtype, device=hidden.device)
         ent = torch.zeros(num, dtype=dtype, device=hidden.device)
+        keep = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        probs = (
+            torch.empty((num, weight.shape[0]), dtype=dtype, device=hidden.device)
+            if keep and num * weight.shape[0] <= KEEP_ELEMENTS
+            else None
+        )
         for start in range(0, num, chunk):
             rows = slice(start, start + chunk)
             logits = F.linear(hidden[rows], weight, bias).to(dtype)
             if temperature != 1.0:
                 logits = logits / temperature
+            index = slice(bounds[start // chunk], bounds[start // chunk + 1])
+            if index.stop > index.start:
+                sub[order[index]] = logits[wanted[index] - start]
             lse_chunk = logits.logsumexp(-1)
             out[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse_chunk
             lse[rows] = lse_chunk
-            if entropy:
-                log_probs = logits - lse_chunk[:, None]
-                # p * log p is 0 where p is 0 (logits of -inf), not NaN.
-                ent[rows] = -torch.special.xlogy(log_probs.exp(), log_probs.exp()).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
+            if entropy or probs is not None:
+                log_probs = logits.sub_(lse_chunk[:, None])
+                p = torch.exp(log_probs, out=probs[rows]) if probs is not None else log_probs.exp()
+                if entropy:
+                    # H = -sum p log p; p * log p is 0 where p is 0 (a logit of -inf), not NaN.
+                    ent[rows] = -_rowdot(p, log_probs.clamp_(min=torch.finfo(dtype).min))
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, probs, order, wanted)
+        ctx.temperature, ctx.chunk, ctx.bounds = temperature, chunk, bounds
         ctx.mark_non_differentiable(ent)
-        return out, ent
+        return out, ent, sub
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor, _grad_ent: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
-        temperature, chunk = ctx.temperature, ctx.chunk
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_out: torch.Tensor, _grad_ent: torch.Tensor, grad_sub: torch.Tensor
+    ) -> tuple[Any, ...]:
+        hidden, weight, bias, targets, lse, probs, order, wanted = ctx.saved_tensors
+        temperature, chunk, bounds = ctx.temperature, ctx.chunk, ctx.bounds
         dtype = lse.dtype
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=dtype) if ctx.needs_input_grad[1] else None
@@ -246,13 +307,21 @@ class _HeadLogprobs(torch.autograd.Function):
         )
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits = F.linear(hidden[rows], weight, bias).to(dtype)
-            if temperature != 1.0:
-                logits = logits / temperature
-            # d logp(y) / d z_j = (1[j == y] - softmax_j) / T, times the incoming gradient.
             g = grad_out[rows].to(dtype)[:, None]
-            grad_logits = torch.exp(logits - lse[rows, None]).mul_(-g)
+            if probs is not None:
+                softmax = probs[rows]
+            else:
+                logits = F.linear(hidden[rows], weight, bias).to(dtype)
+                if temperature != 1.0:
+                    logits = logits / temperature
+                softmax = torch.exp(logits - lse[rows, None])
+            # d logp(y) / d z_j = (1[j == y] - softmax_j) / T, times the incoming gradient.
+            grad_logits = softmax.mul_(-g)
             grad_logits.scatter_add_(-1, targets[rows, None], g)
+            index = slice(bounds[start // chunk], bounds[start // chunk + 1])
+            if index.stop > index.start:
+                # The wanted logits are z / T like the logprobs': their gradients add up here.
+                grad_logits.index_add_(0, wanted[index] - start, grad_sub[order[index]].to(dtype))
             if temperature != 1.0:
                 grad_logits.div_(temperature)
             if grad_hidden is not None:
@@ -265,6 +334,7 @@ class _HeadLogprobs(torch.autograd.Function):
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
             None,
             None,
             None,

@@ -58,6 +58,7 @@ def train_step(
     acc: dict[str, torch.Tensor] = {}
     num_tokens = 0
     for index, mb in enumerate(micro_batches):
+        num_tokens += int((mb.sample_ids >= 0).sum())  # before the copy to the device: no sync there
         mb = mb.to(device)
         for term in terms:
             term.prepare(index, mb)  # no-grad forwards first: their activations are gone before ours
@@ -74,7 +75,6 @@ def train_step(
         # averages gradients over ranks, which the world-size factor undoes.
         (loss * world_size).backward()
         total += loss.detach().float()
-        num_tokens += int((mb.sample_ids >= 0).sum())
     reduced = finalize_metrics(acc)
     for term in terms:
         reduced[f"loss/{term.name}"] = float(all_reduce_sum(per_term[term.name]))
