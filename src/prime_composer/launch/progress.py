@@ -65,10 +65,20 @@ class Progress:
         shown_columns = columns()
         latest = self.latest({column.process for column in shown_columns})
         step = int(latest["trainer"].get("step", 0))
+        # The orchestrator samples up to max_async_level steps ahead of the trainer, so its newest
+        # record is a later batch than the trainer's step: show the record of the same step (for a
+        # key logged every few steps, like eval/accuracy, the newest at or before it).
+        orchestrator = [
+            r for r in read_metrics(self.metrics_dir / "orchestrator.jsonl") if r.get("step", 0) <= step
+        ]
         shown = []
         for column in shown_columns:
-            record = latest[column.process]
             for key in column.keys:
+                record: dict[str, Any]
+                if column.process == "orchestrator":
+                    record = next((r for r in reversed(orchestrator) if key in r), {})
+                else:
+                    record = latest[column.process]
                 if key in record:
                     shown.append((column.label, record[key]))
                     break

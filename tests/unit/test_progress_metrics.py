@@ -1,0 +1,71 @@
+"""The progress line shows, for trainer step N, the numbers the metrics files hold for step N.
+
+The orchestrator samples ahead of the trainer (``max_async_level``), so the newest line of
+``orchestrator.jsonl`` is usually a later batch than the trainer's newest step; the line once
+showed that later batch's reward under the earlier step (step 2 as 0.3125 while the file had
+0.70 for step 2).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prime_composer.launch.progress import Progress
+
+
+def _write(metrics: Path, process: str, records: list[dict]) -> None:
+    metrics.mkdir(parents=True, exist_ok=True)
+    (metrics / f"{process}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _printed(line: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in line.split() if "=" in part)
+
+
+ORCH = [
+    {"step": 0, "time": 0.0, "reward/mean": 0.25, "eval/accuracy": 0.5},
+    {"step": 1, "time": 1.0, "reward/mean": 0.5},
+    {"step": 2, "time": 2.0, "reward/mean": 0.70},
+    {"step": 3, "time": 3.0, "reward/mean": 0.3125},  # sampled ahead: the trainer is at step 2
+]
+
+
+def test_each_printed_step_agrees_with_the_metrics_files(tmp_path: Path, capsys) -> None:
+    metrics = tmp_path / "metrics"
+    progress = Progress(metrics, 10, live=False)
+    trainer: list[dict] = []
+    orch_by_step = {r["step"]: r for r in ORCH}
+    for step in range(3):
+        trainer.append({"step": step, "time": float(step), "loss/total": [0.5, 0.25, 0.125][step]})
+        _write(metrics, "trainer", trainer)
+        # The orchestrator is one batch ahead of the trainer (and the eval of step 2 has landed).
+        ahead = [r for r in ORCH if r["step"] <= step + 1]
+        if step == 2:
+            ahead.insert(3, {"step": 2, "time": 2.5, "eval/accuracy": 0.75})
+        _write(metrics, "orchestrator", ahead)
+        progress.tick({})
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["0/10", "1/10", "2/10"]
+    for step, line in enumerate(lines):
+        printed = _printed(line)
+        # The reward and loss of this very step, read back from the files.
+        assert float(printed["reward"]) == orch_by_step[step]["reward/mean"]
+        assert float(printed["loss"]) == trainer[step]["loss/total"]
+    # Held-out accuracy: the newest eval at or before the step (evals run every few steps).
+    assert [float(_printed(line.replace("eval acc", "eval_acc"))["eval_acc"]) for line in lines] == [
+        0.5,
+        0.5,
+        0.75,
+    ]
+    assert "0.3125" not in "\n".join(lines)
+
+
+def test_values_at_a_step_the_orchestrator_has_passed(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics"
+    _write(metrics, "trainer", [{"step": 2, "time": 0.0, "loss/total": 0.4}])
+    _write(metrics, "orchestrator", ORCH)
+    step, shown = Progress(metrics, 10, live=False).values()
+    assert step == 2
+    assert dict(shown)["reward"] == 0.70
+    assert dict(shown)["eval acc"] == 0.5
