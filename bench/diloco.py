@@ -50,8 +50,8 @@ from prime_composer.config.diloco import DilocoConfig  # noqa: E402
 from prime_composer.diloco.payload import encode, grad_body  # noqa: E402
 from prime_composer.diloco.quantize import quantize  # noqa: E402
 from prime_composer.diloco.relay import relay_key  # noqa: E402
-from prime_composer.diloco.tls import generate  # noqa: E402
 from prime_composer.diloco.toy import make_model, read_log, spawn  # noqa: E402
+from prime_composer.wire.tls import generate  # noqa: E402
 
 SECRET_ENV = "DILOCO_BENCH_SECRET"
 

@@ -9,8 +9,8 @@
 #   DC_PORT         origin port (default 7701; open it in the firewall for the peers only)
 #   DC_PEERS        the other DCs: "id=url[,url...][@fingerprint];id=...", e.g.
 #                   "dc-us=https://198.51.100.20:7701@sha256:3f...;dc-ap=https://203.0.113.7:7701@sha256:9a..."
-#                   (each peer's fingerprint is what `python -m prime_composer.diloco.tls` printed there)
-#   DC_TLS_DIR      folder with this DC's cert.pem and key.pem (`python -m prime_composer.diloco.tls
+#                   (each peer's fingerprint is what `python -m prime_composer.wire.tls` printed there)
+#   DC_TLS_DIR      folder with this DC's cert.pem and key.pem (`python -m prime_composer.wire.tls
 #                   --out DIR`): the origin serves HTTPS; required between machines unless
 #   DILOCO_PRIVATE_NETWORK=1  the links are already private (VPN): plain http:// peers allowed
 #   CONFIG          the run's shared TOML (default configs/diloco-quickstart.toml)

@@ -127,8 +127,8 @@ def test_sharded_dcs_agree_and_match_dcs_of_one_rank(tmp_path: Path) -> None:
 def test_origin_requires_a_signed_request_except_on_health(tmp_path: Path) -> None:
     import httpx
 
-    from prime_composer.diloco.auth import AUTH_HEADER, sign_request, transport_key
     from prime_composer.diloco.shardcast_store import Origin
+    from prime_composer.wire.auth import AUTH_HEADER, sign_request, transport_key
 
     origin = Origin(tmp_path, "127.0.0.1", 0, secret="s3", keep_versions=4, audience="dc-a")
     origin.publish("grad", 0, b"payload")

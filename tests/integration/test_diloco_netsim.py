@@ -19,9 +19,9 @@ sys.path.insert(0, str(REPO / "infra" / "diloco"))
 from netsim import DelayProxy, NetSim, available  # noqa: E402
 
 from prime_composer.config.diloco import DilocoConfig, PeerConfig  # noqa: E402
-from prime_composer.diloco.auth import transport_key  # noqa: E402
-from prime_composer.diloco.tls import generate  # noqa: E402
 from prime_composer.diloco.toy import read_log, spawn  # noqa: E402
+from prime_composer.wire.auth import transport_key  # noqa: E402
+from prime_composer.wire.tls import generate  # noqa: E402
 
 SECRET = "netsim-secret-3f9c1a7be2d64c58a0e1"
 

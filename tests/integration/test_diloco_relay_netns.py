@@ -23,8 +23,8 @@ from netsim import NetSim, available, block_inbound  # noqa: E402
 
 from prime_composer.config.diloco import DilocoConfig, PeerConfig  # noqa: E402
 from prime_composer.diloco.relay import relay_key  # noqa: E402
-from prime_composer.diloco.tls import generate  # noqa: E402
 from prime_composer.diloco.toy import read_log, spawn  # noqa: E402
+from prime_composer.wire.tls import generate  # noqa: E402
 
 SECRET = "relay-netns-secret-6d1f0a93"
 _REASON = available() or (None if shutil.which("iptables") else "the iptables command is missing")

@@ -21,8 +21,8 @@ sys.path.insert(0, str(REPO / "infra" / "diloco"))
 
 from netsim import NetSim, available  # noqa: E402
 
-from prime_composer.diloco.tls import generate  # noqa: E402
 from prime_composer.transport.weights import load_weights, publish_weights  # noqa: E402
+from prime_composer.wire.tls import generate  # noqa: E402
 
 SECRET = "remote-worker-secret-5e0c"
 

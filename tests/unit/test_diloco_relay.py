@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from prime_composer.config.diloco import DilocoConfig, PeerConfig, parse_relay
-from prime_composer.diloco.auth import sign_request, transport_key
 from prime_composer.diloco.relay import (
     SEAL_OVERHEAD,
     RelayClient,
@@ -22,8 +21,9 @@ from prime_composer.diloco.relay import (
     unseal,
 )
 from prime_composer.diloco.shardcast_store import ShardcastStore
-from prime_composer.diloco.tls import generate, server_context
-from prime_composer.diloco.transport import Peer, request
+from prime_composer.wire.auth import sign_request, transport_key
+from prime_composer.wire.fetch import Peer, request
+from prime_composer.wire.tls import generate, server_context
 
 SECRET = b"relay-test-secret-0b7e"
 FP = "sha256:" + "ab" * 32

@@ -17,10 +17,10 @@ import pytest
 from pydantic import ValidationError
 
 from prime_composer.config.diloco import DilocoConfig, PeerConfig
-from prime_composer.diloco.auth import AUTH_HEADER, Verifier, hkdf_sha256, sign_request, transport_key
 from prime_composer.diloco.shardcast_store import SHARD_BYTES, Origin, ShardcastStore
-from prime_composer.diloco.tls import fingerprint_of_pem, generate, server_context
-from prime_composer.diloco.transport import Peer, TransportError, request
+from prime_composer.wire.auth import AUTH_HEADER, Verifier, hkdf_sha256, sign_request, transport_key
+from prime_composer.wire.fetch import Peer, TransportError, request
+from prime_composer.wire.tls import fingerprint_of_pem, generate, server_context
 
 SECRET = b"correct horse battery staple"
 
@@ -133,7 +133,7 @@ def test_the_cert_command_writes_a_private_key_and_the_certificates_fingerprint(
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
 
-    from prime_composer.diloco.tls import main
+    from prime_composer.wire.tls import main
 
     assert main(["--out", str(tmp_path), "--name", "dc-a", "--host", "10.0.0.1"]) == 0
     assert (tmp_path / "key.pem").stat().st_mode & 0o077 == 0

@@ -18,9 +18,10 @@ ABOVE_CONFIG = ("launch", "eval", "orchestrator", "trainer", "diloco", "inferenc
 FORBIDDEN = {
     "inference": ("launch", "eval", "orchestrator", "trainer", "diloco", "teacher", "channels", "prime_rl"),
     "diloco": ("launch", "eval", "orchestrator", "trainer", "inference", "teacher", "channels", "prime_rl"),
-    "config": (*ABOVE_CONFIG, "prime_rl", "transport", "client", "sandbox"),
+    "config": (*ABOVE_CONFIG, "prime_rl", "transport", "client", "sandbox", "wire"),
     "client": (*ABOVE_CONFIG, "prime_rl", "transport"),
     "transport": (*ABOVE_CONFIG, "prime_rl"),
+    "wire": (*ABOVE_CONFIG, "prime_rl", "transport", "client"),
     "teacher": ("launch", "eval", "orchestrator", "trainer", "diloco", "channels", "prime_rl"),
     "prime_rl": ("launch", "eval", "orchestrator", "trainer", "diloco", "inference", "teacher", "channels"),
     "registry.py": ("*",),

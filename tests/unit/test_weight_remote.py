@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from prime_composer.diloco.tls import generate, server_context
-from prime_composer.diloco.transport import Peer, request
 from prime_composer.transport import remote
 from prime_composer.transport.remote import (
     RemoteWeightsError,
@@ -24,6 +22,8 @@ from prime_composer.transport.remote import (
     request_key,
 )
 from prime_composer.transport.weights import is_stable, load_weights, publish_weights
+from prime_composer.wire.fetch import Peer, request
+from prime_composer.wire.tls import generate, server_context
 
 SECRET = b"weights-remote-secret-91c2"
 

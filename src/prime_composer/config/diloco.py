@@ -69,7 +69,7 @@ def parse_relay(value: str) -> tuple[str, str | None]:
     if not sep or not parts.hostname or port is None or parts.path not in ("", "/"):
         raise ValueError(
             f"diloco.relay = {value!r}: expected 'host:port@sha256:<fingerprint>' (the relay's "
-            "certificate, printed by `python -m prime_composer.diloco.tls`) or 'http://host:port' "
+            "certificate, printed by `python -m prime_composer.wire.tls`) or 'http://host:port' "
             "on loopback or a private network"
         )
     try:
@@ -86,7 +86,7 @@ def normalize_fingerprint(value: str) -> str:
     if not _FINGERPRINT.match(raw):
         raise ValueError(
             f"{value!r} is not a SHA-256 certificate fingerprint: expected 'sha256:' and 64 hex digits "
-            "(printed by `python -m prime_composer.diloco.tls --out DIR`)"
+            "(printed by `python -m prime_composer.wire.tls --out DIR`)"
         )
     return f"sha256:{raw}"
 
@@ -103,10 +103,10 @@ class PeerConfig(BaseConfig):
     client spreads downloads over them by measured speed and success rate. Empty: the peer has no
     inbound port (behind NAT) and its payloads come from ``diloco.relay``."""
 
-    # --- transport security (diloco/tls.py) ---
+    # --- transport security (wire/tls.py) ---
     fingerprint: str | None = None
     """SHA-256 fingerprint of the certificate the peer's origin serves (``sha256:<64 hex>``,
-    printed by ``python -m prime_composer.diloco.tls --out DIR`` on the peer). Required for
+    printed by ``python -m prime_composer.wire.tls --out DIR`` on the peer). Required for
     ``https://`` URLs: any other certificate is refused, whoever signed it."""
 
     @field_validator("fingerprint")
@@ -283,10 +283,10 @@ class DilocoConfig(BaseConfig):
         offset = int.from_bytes(hashlib.sha256(self.cluster_id.encode()).digest()[:8], "big")
         return (seed + offset) % 2**63
 
-    # --- transport security (diloco/auth.py, diloco/tls.py, diloco/shardcast_store.py) ---
+    # --- transport security (wire/auth.py, wire/tls.py, diloco/shardcast_store.py) ---
     tls_cert: Path | None = None
     """PEM certificate this DC's origin serves HTTPS with (with ``tls_key``); generate both with
-    ``python -m prime_composer.diloco.tls --out DIR`` and give peers the fingerprint it prints."""
+    ``python -m prime_composer.wire.tls --out DIR`` and give peers the fingerprint it prints."""
 
     tls_key: Path | None = None
     """PEM private key of ``tls_cert``."""
@@ -384,7 +384,7 @@ class DilocoConfig(BaseConfig):
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError(
                 "diloco.tls_cert and diloco.tls_key go together: set both (from `python -m "
-                "prime_composer.diloco.tls --out DIR`) or neither"
+                "prime_composer.wire.tls --out DIR`) or neither"
             )
         if self.relay is not None:
             url, _ = parse_relay(self.relay)
@@ -413,7 +413,7 @@ class DilocoConfig(BaseConfig):
                 if parts.scheme == "https" and peer.fingerprint is None:
                     raise ValueError(
                         f"{where}.urls: {url!r} is https but {where}.fingerprint is not set: pin the "
-                        "peer's certificate (`python -m prime_composer.diloco.tls` prints it)"
+                        "peer's certificate (`python -m prime_composer.wire.tls` prints it)"
                     )
                 if parts.scheme == "http" and not is_loopback(parts.hostname) and not self.private_network:
                     raise ValueError(
@@ -425,7 +425,7 @@ class DilocoConfig(BaseConfig):
         if self.backend == "shardcast" and not is_loopback(self.host) and plain:
             raise ValueError(
                 f"diloco.host = {self.host!r} serves other machines over plain HTTP: set "
-                "diloco.tls_cert / diloco.tls_key (`python -m prime_composer.diloco.tls --out DIR`), "
+                "diloco.tls_cert / diloco.tls_key (`python -m prime_composer.wire.tls --out DIR`), "
                 "or diloco.private_network = true if the link is already private (VPN)"
             )
         if self.backend == "torchft" and not self.private_network:

@@ -5,7 +5,7 @@ own origin, and downloads from the relay the payloads of every peer listed witho
 outbound connections are needed, so a DC behind NAT takes part. Start the relay on a host all DCs
 reach::
 
-    python -m prime_composer.diloco.tls --out relay-tls --name relay --host 203.0.113.7
+    python -m prime_composer.wire.tls --out relay-tls --name relay --host 203.0.113.7
     export DILOCO_RELAY_KEY=$(DILOCO_SECRET=... python -m prime_composer.diloco.relay key --secret-env DILOCO_SECRET)
     python -m prime_composer.diloco.relay serve --host 0.0.0.0 --port 7800 \\
         --tls-cert relay-tls/cert.pem --tls-key relay-tls/key.pem --key-env DILOCO_RELAY_KEY --dir /var/lib/diloco-relay
@@ -60,9 +60,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from prime_composer.diloco.auth import AUTH_HEADER, Verifier, hkdf_sha256
-from prime_composer.diloco.transport import Peer, TransportError, request
 from prime_composer.io import atomic_write_bytes
+from prime_composer.wire.auth import AUTH_HEADER, Verifier, hkdf_sha256
+from prime_composer.wire.fetch import Peer, TransportError, request
 
 logger = logging.getLogger(__name__)
 
@@ -399,8 +399,8 @@ def _secret_from(env: str) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from prime_composer.diloco.tls import fingerprint_of_pem, server_context
     from prime_composer.netaddr import is_loopback
+    from prime_composer.wire.tls import fingerprint_of_pem, server_context
 
     parser = argparse.ArgumentParser(
         prog="python -m prime_composer.diloco.relay",
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tls_cert is None and not is_loopback(args.host) and not args.private_network:
         print(
             f"--host {args.host} serves other machines over plain HTTP: pass --tls-cert/--tls-key "
-            "(`python -m prime_composer.diloco.tls --out DIR`) or --private-network",
+            "(`python -m prime_composer.wire.tls --out DIR`) or --private-network",
             file=sys.stderr,
         )
         return 2

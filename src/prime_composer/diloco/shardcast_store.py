@@ -61,13 +61,13 @@ from shardcast.client import ServerMetrics, ShardDownloader
 from shardcast.utils import compute_checksum, get_shard_count, get_shard_filename, update_distribution_file
 
 from prime_composer.config.diloco import parse_relay
-from prime_composer.diloco.auth import AUTH_HEADER, Verifier, transport_key
 from prime_composer.diloco.payload import Kind
 from prime_composer.diloco.relay import RelayClient
-from prime_composer.diloco.tls import server_context
-from prime_composer.diloco.transport import Peer, TransportError, request
 from prime_composer.io import atomic_write_bytes
 from prime_composer.netaddr import is_loopback
+from prime_composer.wire.auth import AUTH_HEADER, Verifier, transport_key
+from prime_composer.wire.fetch import Peer, TransportError, request
+from prime_composer.wire.tls import server_context
 
 if TYPE_CHECKING:
     from prime_composer.config.diloco import DilocoConfig

@@ -4,7 +4,7 @@ The trainer side serves its ``broadcasts/`` root (``WeightsOrigin``: the ``step_
 of ``transport/weights.py``, whole weights or a LoRA adapter alike); a worker on another machine
 downloads a step into its own root (``fetch_step``) and loads it with ``load_weights`` as if the
 trainer had written it there. Nothing reusable crosses the wire, with the same machinery as the
-DiLoCo links (``diloco/auth.py``, ``diloco/tls.py``, ``diloco/transport.py``):
+DiLoCo links (``wire/auth.py``, ``wire/tls.py``, ``wire/fetch.py``):
 
 - every request but ``/health`` is signed with ``HKDF(secret, "prime-composer weights requests
   v1")`` (audience ``weights``, replay window, nonces), and the origin's certificate is pinned;
@@ -42,10 +42,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from prime_composer.diloco.auth import AUTH_HEADER, Verifier, hkdf_sha256
-from prime_composer.diloco.transport import Peer, TransportError, request
 from prime_composer.integrity import MANIFEST_NAME
 from prime_composer.io import atomic_write_bytes, atomic_write_text
+from prime_composer.wire.auth import AUTH_HEADER, Verifier, hkdf_sha256
+from prime_composer.wire.fetch import Peer, TransportError, request
 
 STABLE_MARKER = "STABLE"
 """``transport/weights.py``'s marker of a complete step, repeated here so that serving and
@@ -302,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from prime_composer.config.diloco import normalize_fingerprint
-    from prime_composer.diloco.tls import fingerprint_of_pem, server_context
     from prime_composer.netaddr import is_loopback
+    from prime_composer.wire.tls import fingerprint_of_pem, server_context
 
     parser = argparse.ArgumentParser(prog="python -m prime_composer.transport.remote", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     fetch = sub.add_parser("fetch", help="download one step into --root (the worker side)")
     fetch.add_argument("--url", required=True, help="https://host:port of the trainer side")
     fetch.add_argument(
-        "--fingerprint", help="its certificate's sha256 (from `python -m prime_composer.diloco.tls`)"
+        "--fingerprint", help="its certificate's sha256 (from `python -m prime_composer.wire.tls`)"
     )
     fetch.add_argument("--root", type=Path, required=True, help="the worker's own broadcasts root")
     fetch.add_argument("--step", type=int, help="the step (default: the newest)")

@@ -2,7 +2,7 @@
 
 No certificate authority is involved: each DC generates its own certificate and key once::
 
-    uv run python -m prime_composer.diloco.tls --out ~/.diloco-tls --name dc-eu
+    uv run python -m prime_composer.wire.tls --out ~/.diloco-tls --name dc-eu
 
 which writes ``cert.pem`` and ``key.pem`` (mode 0600) and prints the fingerprint
 (``sha256:<64 hex>``, the SHA-256 of the certificate's DER bytes). The DC serves HTTPS with
@@ -96,7 +96,7 @@ def server_context(cert: Path, key: Path) -> ssl.SSLContext:
     except (OSError, ssl.SSLError) as e:
         raise ValueError(
             f"diloco.tls_cert = {str(cert)!r} / diloco.tls_key = {str(key)!r} do not load ({e}); "
-            "generate them with `python -m prime_composer.diloco.tls --out DIR`"
+            "generate them with `python -m prime_composer.wire.tls --out DIR`"
         ) from None
     return ctx
 
@@ -124,7 +124,7 @@ def check_pin(sock: ssl.SSLSocket, expected: str, where: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m prime_composer.diloco.tls",
+        prog="python -m prime_composer.wire.tls",
         description="Generate the self-signed certificate a DC's DiLoCo origin serves, and print "
         "the fingerprint its peers pin (peers[].fingerprint).",
     )

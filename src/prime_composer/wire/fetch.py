@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from prime_composer.diloco.auth import AUTH_HEADER, sign_request
-from prime_composer.diloco.tls import PinError, check_pin, client_context
+from prime_composer.wire.auth import AUTH_HEADER, sign_request
+from prime_composer.wire.tls import PinError, check_pin, client_context
 
 _READ_CHUNK = 1 << 16
 
