@@ -2,7 +2,8 @@
 
 The fast tests drive the harness with a stand-in launcher (``rl_command``) that writes metrics
 files the way ``rl`` does, so resume and a failing arm-seed are cheap to prove; the slow one runs
-the real ``rl`` on a 2-arm x 2-seed, 2-step preset of the quickstart.
+the real ``rl`` on a 2-arm x 1-seed, 2-step preset of the quickstart (each run is ~50 s of process
+start-ups; the 2 x 2 logic is the stand-in's to prove).
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def test_arms_that_do_not_train_on_the_same_samples_are_refused(tmp_path: Path) 
 SMALL = """
 # The quickstart's model and task without the warm-up: 2 steps per run, one eval at the end.
 base = ["{quickstart}"]
-seeds = [0, 1]
+seeds = [0]
 output_dir = "{out}"
 set = {{ max_steps = 2, "orchestrator.batch_size" = 16, "orchestrator.group_size" = 4, "orchestrator.eval.interval" = 2, "warmup.enabled" = false, "ckpt.interval" = 0 }}
 [arms.grpo]
@@ -206,7 +207,7 @@ set = {{ "trainer.optim.lr" = 3e-3 }}
 
 
 @pytest.mark.slow
-def test_real_rl_two_arms_two_seeds_then_resume(tmp_path: Path) -> None:
+def test_real_rl_two_arms_then_resume(tmp_path: Path) -> None:
     path = tmp_path / "ablation.toml"
     path.write_text(SMALL.format(quickstart=REPO / "configs" / "quickstart.toml", out=tmp_path / "out"))
     proc = subprocess.run(
@@ -218,7 +219,7 @@ def test_real_rl_two_arms_two_seeds_then_resume(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "out" / "ablation.json").read_text())
-    assert len(data["runs"]) == 4 and all(r["status"] == "ok" for r in data["runs"])
+    assert len(data["runs"]) == 2 and all(r["status"] == "ok" for r in data["runs"])
     for r in data["runs"]:
         assert sorted(map(int, r["reward_curve"])) == [0, 1]
         assert 0.0 <= r["final_reward"] <= 1.0 and 0.0 <= r["final_eval"] <= 1.0
@@ -228,10 +229,8 @@ def test_real_rl_two_arms_two_seeds_then_resume(tmp_path: Path) -> None:
     lr_high = data["summary"]["arms"]["lr-high"]
     grpo_eval = {r["seed"]: r["final_eval"] for r in data["runs"] if r["arm"] == "grpo"}
     arm_eval = {r["seed"]: r["final_eval"] for r in data["runs"] if r["arm"] == "lr-high"}
-    assert lr_high["vs_baseline"]["final_eval"]["mean"] == pytest.approx(
-        sum(arm_eval[s] - grpo_eval[s] for s in (0, 1)) / 2
-    )
-    assert "ablate [4/4] lr-high seed 1: done" in proc.stdout
+    assert lr_high["vs_baseline"]["final_eval"]["mean"] == pytest.approx(arm_eval[0] - grpo_eval[0])
+    assert "ablate [2/2] lr-high seed 0: done" in proc.stdout
     assert (tmp_path / "out" / "ablation.png").stat().st_size > 1000
     again = subprocess.run(
         [sys.executable, "-m", "prime_composer.eval.ablate", "@", str(path)],
@@ -241,7 +240,7 @@ def test_real_rl_two_arms_two_seeds_then_resume(tmp_path: Path) -> None:
         cwd=REPO,
     )
     assert again.returncode == 0, again.stdout + again.stderr
-    assert again.stdout.count("skipped") == 4
+    assert again.stdout.count("skipped") == 2
     assert not math.isnan(
         json.loads((tmp_path / "out" / "ablation.json").read_text())["summary"]["arms"]["grpo"][
             "final_reward"
