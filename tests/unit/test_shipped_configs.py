@@ -16,7 +16,17 @@ CONFIGS = sorted(
     p
     for p in CONFIG_DIR.rglob("*.toml")
     if not any((p.parent / f"{name}.toml").is_file() for name in SECTION_NAMES)
+    and not p.name.startswith("ablation")  # an ablation's own config (uv run ablate @ ...)
 )
+ABLATIONS = sorted(CONFIG_DIR.glob("ablation*.toml"))
+
+
+@pytest.mark.parametrize("path", ABLATIONS, ids=lambda p: p.name)
+def test_shipped_ablation_config_loads(path: Path) -> None:
+    from prime_composer.eval import ablate
+
+    config = ablate.load_config(path)
+    assert len(config.arms) >= 2
 
 
 def test_configs_folder_is_not_empty() -> None:
