@@ -353,4 +353,8 @@ def train(config: TrainerConfig) -> None:
             raise RunError(str(e)) from None
     trainer.run()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Every rank's last collective is done before any rank tears its group down: a rank of a
+        # two-node run that destroyed its gloo group while a peer was still exporting aborted at
+        # exit ("terminate called without an active exception"), failing a finished run.
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
