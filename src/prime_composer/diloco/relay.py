@@ -50,19 +50,19 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 from prime_composer.io import atomic_write_bytes
 from prime_composer.wire.auth import AUTH_HEADER, Verifier, hkdf_sha256
 from prime_composer.wire.fetch import Peer, TransportError, request
+from prime_composer.wire.serve import ServerThread
 
 logger = logging.getLogger(__name__)
 
@@ -264,13 +264,6 @@ class _RelayHandler(BaseHTTPRequestHandler):
         logger.debug("relay %s: " + format, self.address_string(), *args)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        logger.debug("relay: request from %s failed", client_address, exc_info=True)
-
-
 class RelayServer:
     """The relay, serving in a thread (``close()`` stops it). ``tls`` None is plain HTTP (for
     loopback or a private network only; the command refuses it elsewhere)."""
@@ -293,24 +286,14 @@ class RelayServer:
         handler = type(
             "Handler", (_RelayHandler,), {"verifier": Verifier(key, AUDIENCE, window_s), "state": self.state}
         )
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server_class = type("Server", (_Server,), {"address_family": family})
-        self._server = server_class((host.strip("[]"), port), handler)
-        if tls is not None:
-            self._server.socket = tls.wrap_socket(
-                self._server.socket, server_side=True, do_handshake_on_connect=False
-            )
-        self._thread = threading.Thread(target=self._server.serve_forever, name="diloco-relay", daemon=True)
-        self._thread.start()
+        self._serving = ServerThread(host, port, handler, tls=tls, name="diloco-relay")
 
     @property
     def port(self) -> int:
-        return int(self._server.server_address[1])
+        return self._serving.port
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        self._serving.close()
 
 
 # ------------------------------------------------------------------------------------- client

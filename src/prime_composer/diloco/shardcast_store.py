@@ -46,14 +46,13 @@ import logging
 import os
 import random
 import shutil
-import socket
 import ssl
 import tempfile
 import threading
 import time
 from collections import Counter
 from functools import partial
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from http.server import SimpleHTTPRequestHandler
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +66,7 @@ from prime_composer.io import atomic_write_bytes
 from prime_composer.netaddr import is_loopback
 from prime_composer.wire.auth import AUTH_HEADER, Verifier, transport_key
 from prime_composer.wire.fetch import Peer, TransportError, request
+from prime_composer.wire.serve import ServerThread
 from prime_composer.wire.tls import server_context
 
 if TYPE_CHECKING:
@@ -153,14 +153,6 @@ class _Handler(SimpleHTTPRequestHandler):
         logger.debug("origin %s: " + format, self.address_string(), *args)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A failed TLS handshake or a client that hangs up is the client's problem, not a traceback.
-        logger.debug("origin: request from %s failed", client_address, exc_info=True)
-
-
 class Origin:
     """This DC's shardcast origin: writes payloads as shardcast versions and serves them.
 
@@ -192,20 +184,14 @@ class Origin:
             key = transport_key(secret.encode() if isinstance(secret, str) else secret)
             verifier = Verifier(key, audience, window_s)
         handler = type("Handler", (_Handler,), {"verifier": verifier})
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server_class = type("Server", (_Server,), {"address_family": family})
-        self._server = server_class((host.strip("[]"), port), partial(handler, directory=str(self.directory)))
-        if tls is not None:
-            self._server.socket = tls.wrap_socket(
-                self._server.socket, server_side=True, do_handshake_on_connect=False
-            )
-        self.scheme = "https" if tls is not None else "http"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="diloco-origin", daemon=True)
-        self._thread.start()
+        self._serving = ServerThread(
+            host, port, partial(handler, directory=str(self.directory)), tls=tls, name="diloco-origin"
+        )
+        self.scheme = self._serving.scheme
 
     @property
     def port(self) -> int:
-        return int(self._server.server_address[1])
+        return self._serving.port
 
     def publish(self, kind: Kind, round_: int, data: bytes) -> None:
         """Serve ``data`` as the version of (``kind``, ``round_``); drop the oldest versions."""
@@ -241,9 +227,7 @@ class Origin:
                 shutil.rmtree(self.directory / old, ignore_errors=True)
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        self._serving.close()
 
 
 # ------------------------------------------------------------------------------------- client

@@ -29,16 +29,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import shutil
-import socket
 import ssl
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,9 @@ from prime_composer.integrity import MANIFEST_NAME
 from prime_composer.io import atomic_write_bytes, atomic_write_text
 from prime_composer.wire.auth import AUTH_HEADER, Verifier, hkdf_sha256
 from prime_composer.wire.fetch import Peer, TransportError, request
+from prime_composer.wire.serve import ServerThread
+
+logger = logging.getLogger(__name__)
 
 STABLE_MARKER = "STABLE"
 """``transport/weights.py``'s marker of a complete step, repeated here so that serving and
@@ -144,14 +147,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(404, b"step is gone")
 
     def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        pass
+        logger.debug("weights origin %s: " + format, self.address_string(), *args)
 
 
 class WeightsOrigin:
@@ -173,25 +169,14 @@ class WeightsOrigin:
             "key": manifest_key(secret),
         }
         handler = type("Handler", (_Handler,), attrs)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._server = type("Server", (_Server,), {"address_family": family})(
-            (host.strip("[]"), port), handler
-        )
-        if tls is not None:
-            self._server.socket = tls.wrap_socket(
-                self._server.socket, server_side=True, do_handshake_on_connect=False
-            )
-        self._thread = threading.Thread(target=self._server.serve_forever, name="weights-origin", daemon=True)
-        self._thread.start()
+        self._serving = ServerThread(host, port, handler, tls=tls, name="weights-origin")
 
     @property
     def port(self) -> int:
-        return int(self._server.server_address[1])
+        return self._serving.port
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        self._serving.close()
 
 
 # ------------------------------------------------------------------------------------- worker
