@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     key.add_argument("--secret-env", required=True, help="environment variable holding the run's secret")
     serve = sub.add_parser("serve", help="run the relay")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=7800)
+    serve.add_argument("--port", type=int, default=0, help="0 (the default): a free port, printed once ready")
     serve.add_argument("--key-env", required=True, help="environment variable holding the relay key (hex)")
     serve.add_argument("--dir", type=Path, required=True, help="where blobs are stored (emptied at start)")
     serve.add_argument("--tls-cert", type=Path)

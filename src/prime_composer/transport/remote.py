@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="serve the published steps under --root (the trainer side)")
     serve.add_argument("--root", type=Path, required=True, help="the trainer's <output_dir>/broadcasts")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=7900)
+    serve.add_argument("--port", type=int, default=0, help="0 (the default): a free port, printed once ready")
     serve.add_argument("--tls-cert", type=Path)
     serve.add_argument("--tls-key", type=Path)
     serve.add_argument("--private-network", action="store_true", help="allow plain HTTP off loopback")
