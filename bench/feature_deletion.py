@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ENV_DIR = Path(__file__).resolve().parents[1] / "orchestrator/environments/feature_deletion"
+ENV_DIR = Path(__file__).resolve().parents[1] / "environments/feature_deletion"
 sys.path.insert(0, str(ENV_DIR))
 
 from feature_deletion import agents, corpus, generate, runs, trees  # noqa: E402

@@ -33,12 +33,12 @@ from prime_composer.orchestrator.trace_export import episode_trace, samples_to_t
 from prime_composer.teacher.traces import parse_trace
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "orchestrator" / "environments" / "pyfix"))
+sys.path.insert(0, str(REPO / "environments" / "pyfix"))
 
 from pyfix.scripted import ScriptedServer, logprob  # noqa: E402
 from pyfix.taskset import FUNCTIONS, oracle_replies  # noqa: E402
 
-HINTS_DIR = REPO / "orchestrator" / "hints"
+HINTS_DIR = REPO / "hints"
 SECRET_VAR = "PC_TEST_SCRIPTED_SECRET"
 
 

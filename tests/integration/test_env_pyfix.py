@@ -17,7 +17,7 @@ from prime_composer.config.sandbox import SandboxConfig
 from prime_composer.orchestrator.agent_task import AgentState, fresh_workspace
 from prime_composer.sandbox import Sandbox, Workspace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "orchestrator" / "environments" / "pyfix"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "environments" / "pyfix"))
 
 from pyfix.taskset import CASES, FUNCTIONS, MODULE, TEST_FILE, PyfixConfig, PyfixTask, PyfixTaskset
 

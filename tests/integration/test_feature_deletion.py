@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ENV_DIR = Path(__file__).resolve().parents[2] / "orchestrator/environments/feature_deletion"
+ENV_DIR = Path(__file__).resolve().parents[2] / "environments/feature_deletion"
 sys.path.insert(0, str(ENV_DIR))
 
 from feature_deletion import agents, corpus, deletion, generate  # noqa: E402

@@ -29,7 +29,7 @@ from prime_composer.orchestrator import envs
 from prime_composer.orchestrator.rollout import RolloutRunner
 from prime_composer.orchestrator.sample import Sample
 
-REPO_ENV_DIR = Path(__file__).resolve().parents[2] / "orchestrator" / "environments"
+REPO_ENV_DIR = Path(__file__).resolve().parents[2] / "environments"
 SPECIAL = {"<|im_start|>": 1000, "<|im_end|>": 1001}
 EOS = SPECIAL["<|im_end|>"]
 

@@ -233,11 +233,11 @@ def test_nothing_of_the_host_but_the_allowlist_is_visible(sandbox: Sandbox, work
 
 
 def test_no_environment_source_or_answer_key_is_readable(sandbox: Sandbox, workspace: Workspace) -> None:
-    answer_key = CHECKOUT / "orchestrator/environments/pyfix/pyfix/taskset.py"
+    answer_key = CHECKOUT / "environments/pyfix/pyfix/taskset.py"
     assert "buggy" in answer_key.read_text()  # the table of original and buggy expressions
     secrets_on_host = [
         answer_key,
-        CHECKOUT / "orchestrator/environments/feature_deletion/feature_deletion/tasks.py",
+        CHECKOUT / "environments/feature_deletion/feature_deletion/tasks.py",
         CHECKOUT / "src/prime_composer/sandbox/sandbox.py",  # the test's own checkout
         CHECKOUT / "pyproject.toml",
         Path("/work/main/pyproject.toml"),

@@ -12,7 +12,7 @@ import verifiers.v1 as vf
 from prime_composer.config.env import EnvConfig
 from prime_composer.orchestrator import envs
 
-ENV_DIRS = [Path(__file__).resolve().parents[2] / "orchestrator" / "environments"]
+ENV_DIRS = [Path(__file__).resolve().parents[2] / "environments"]
 
 
 def load_env(entry: EnvConfig, index: int) -> envs.LoadedEnv:

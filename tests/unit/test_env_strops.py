@@ -13,7 +13,7 @@ import verifiers.v1 as vf
 from prime_composer.config.env import EnvConfig
 from prime_composer.orchestrator import envs
 
-ENV_DIRS = [Path(__file__).resolve().parents[2] / "orchestrator" / "environments"]
+ENV_DIRS = [Path(__file__).resolve().parents[2] / "environments"]
 
 
 def load(args: dict | None = None, eval_args: dict | None = None) -> envs.LoadedEnv:

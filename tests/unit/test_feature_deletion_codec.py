@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "orchestrator/environments/feature_deletion"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "environments/feature_deletion"))
 
 from feature_deletion import grader
 from feature_deletion.sandboxed import Codec, NotPlain, probe_call

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "orchestrator/environments/feature_deletion"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "environments/feature_deletion"))
 
 from feature_deletion import corpus
 from feature_deletion.spec import CI_MANIFEST, PYPI_MANIFEST, ProjectSpec, Store, load_manifest

@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "orchestrator/environments/feature_deletion"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "environments/feature_deletion"))
 
 from feature_deletion import corpus, deletion, generate, runs, scanner, visibility
 from feature_deletion.spec import ProjectSpec, load_manifest

@@ -35,7 +35,7 @@ from prime_composer.trainer.losses.aggregate import token_normalizer
 from prime_composer.trainer.losses.sdpo import sdpo_loss
 from prime_composer.trainer.policy_copy import PolicyCopy
 
-HINTS_DIR = Path(__file__).resolve().parents[2] / "orchestrator" / "hints"
+HINTS_DIR = Path(__file__).resolve().parents[2] / "hints"
 TARGET = "58"
 HINTED = [TARGET, "13", "72", "36"]
 UNHINTED = [str(i) for i in range(10, 100) if str(i) not in HINTED]

@@ -25,7 +25,7 @@ from prime_composer.orchestrator.sdpo.hints import HintBuilder
 from prime_composer.orchestrator.sdpo.render import assistant_turns, fit_teacher
 from prime_composer.orchestrator.sdpo.target import sdpo_target
 
-HINTS_DIR = Path(__file__).resolve().parents[2] / "orchestrator" / "hints"
+HINTS_DIR = Path(__file__).resolve().parents[2] / "hints"
 SYSTEM = {"role": "system", "content": "You are a helpful assistant"}
 
 

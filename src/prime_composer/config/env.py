@@ -75,7 +75,7 @@ class EnvConfig(BaseConfig):
     """One ``[[orchestrator.env]]`` entry: a verifiers v1 environment and how much of each batch it gets."""
 
     id: str
-    """Environment id: a folder under ``orchestrator/environments/`` (e.g. ``arith``) or an installed
+    """Environment id: a folder under ``environments/`` (e.g. ``arith``) or an installed
     verifiers v1 taskset package (``my-env`` imports ``my_env``)."""
 
     args: dict[str, Any] = Field(default_factory=dict)

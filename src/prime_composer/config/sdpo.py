@@ -81,7 +81,7 @@ class HintConfig(BaseConfig):
     ``template``: ``<template_dir>/<error kind>.txt``, else ``default.txt``; ``llm``: the model in
     ``[orchestrator.sdpo.llm]`` writes it."""
 
-    template_dir: Path = Path("orchestrator/hints")
+    template_dir: Path = Path("hints")
     """Folder of hint templates, one ``<error kind>.txt`` each plus ``default.txt`` (relative paths
     resolve against the working directory). Templates use ``{placeholders}``: the task's fields
     (e.g. ``{answer}``), ``{reply}``, ``{feedback}``, ``{error_kind}``, ``{reward}``."""

@@ -10,7 +10,7 @@ import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
-DEFAULT_ENV_DIRS: tuple[Path, ...] = (Path("orchestrator/environments"),)
+DEFAULT_ENV_DIRS: tuple[Path, ...] = (Path("environments"),)
 """Where local environment folders are looked up (relative paths resolve against the cwd)."""
 
 

@@ -3,7 +3,7 @@
 An ``[[orchestrator.env]]`` id names a taskset package. It is found, in this order, as
 
 1. a folder ``<env_dir>/<id>/`` holding the package ``<module>/`` (the layout ``vf-init``
-   scaffolds: ``orchestrator/environments/arith/{pyproject.toml, arith/__init__.py}``); the
+   scaffolds: ``environments/arith/{pyproject.toml, arith/__init__.py}``); the
    folder is put at the front of ``sys.path``, so nothing needs installing;
 2. an installed package (``my-env`` imports ``my_env``), e.g. one added to the project's
    dependencies or installed with ``uv pip install -e``.
@@ -215,7 +215,7 @@ def _import_taskset_module(env_id: str, where: str, env_dirs: Sequence[Path]) ->
         raise ValueError(
             f"{where}: no such environment (looked for a folder with a package {module!r} in {dirs}, "
             f"then an installed package {module!r}). Available: {', '.join(list_environments(env_dirs))}. "
-            "Fix the id, or add the environment under orchestrator/environments/<id>/<module>/."
+            "Fix the id, or add the environment under environments/<id>/<module>/."
         )
     loaded = importlib.import_module(module) if module not in sys.modules else sys.modules[module]
     if module in local:

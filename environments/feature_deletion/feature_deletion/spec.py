@@ -21,7 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 ENV_DIR = Path(__file__).resolve().parents[1]
-"""``orchestrator/environments/feature_deletion/``."""
+"""``environments/feature_deletion/``."""
 
 CORPUS_DIR = ENV_DIR / "corpus"
 PYPI_MANIFEST = CORPUS_DIR / "pypi.toml"

@@ -1,4 +1,4 @@
-"""`uv run python orchestrator/environments/feature_deletion/build_corpus.py --help` (see README.md)."""
+"""`uv run python environments/feature_deletion/build_corpus.py --help` (see README.md)."""
 
 import sys
 from pathlib import Path
