@@ -31,7 +31,7 @@ from prime_composer.teacher.traces import parse_trace
 from prime_composer.trainer.losses.base import TermContext, build_terms
 from prime_composer.trainer.step import train_step
 from prime_composer.transport.batch import BatchFormatError, MicroBatch, decode_rank_batch, encode_rank_batch
-from prime_composer.transport.groups import DPOGroup
+from prime_composer.transport.groups import ReplayGroup
 
 SEQ_LEN = 40
 
@@ -83,7 +83,7 @@ def test_pairs_are_packed_side_by_side_with_their_reference_logprobs() -> None:
     rng = random.Random(0)
     pairs = [pair(rng, c) for c in range(1, 6)]
     (mb,) = pack(pairs)
-    group = mb.group(DPOGroup)
+    group = mb.group(ReplayGroup)
     assert group is not None and group.num_pairs == 5
     for index, p in enumerate(pairs):
         for side, refs, is_chosen in (
@@ -100,7 +100,7 @@ def test_pairs_are_packed_side_by_side_with_their_reference_logprobs() -> None:
             assert group.position_ids[row[0], start].item() == 0
     assert group.label_smoothing.tolist() == pytest.approx([0.1] * 5)
     _, _, (decoded,) = decode_rank_batch(encode_rank_batch(0, 0, [mb]))
-    assert torch.equal(decoded.group(DPOGroup).side_mask, group.side_mask)  # type: ignore[union-attr]
+    assert torch.equal(decoded.group(ReplayGroup).side_mask, group.side_mask)  # type: ignore[union-attr]
 
 
 def test_too_long_pairs_are_dropped_and_counted() -> None:
@@ -122,13 +122,13 @@ def test_too_long_pairs_are_dropped_and_counted() -> None:
 def test_a_pair_missing_a_side_is_refused() -> None:
     rng = random.Random(2)
     (mb,) = pack([pair(rng, 1)])
-    group = mb.group(DPOGroup)
+    group = mb.group(ReplayGroup)
     assert group is not None
     broken = group.is_chosen.clone()
     broken[group.side_mask] = True  # every side token marked chosen: no rejected side left
     with pytest.raises(BatchFormatError, match="no rejected tokens"):
         MicroBatch(
-            **mb.core_tensors(), groups={"replay": DPOGroup(**{**group.tensors(), "is_chosen": broken})}
+            **mb.core_tensors(), groups={"replay": ReplayGroup(**{**group.tensors(), "is_chosen": broken})}
         )
 
 

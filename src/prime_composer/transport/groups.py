@@ -7,7 +7,7 @@ the same target tokens) with ``teacher_target_mask`` on those tokens. Alignment 
 True of ``student_mask`` (row-major) is the same token as the k-th True of ``teacher_target_mask``.
 A micro-batch with no hinted sample has no ``sdpo`` group.
 
-``DPOGroup`` (loss term ``trainer/losses/replay_term.py``): the replay channel's preference pairs,
+``ReplayGroup`` (loss term ``trainer/losses/replay_term.py``): the replay channel's preference pairs,
 in rows of their own (below).
 """
 
@@ -77,7 +77,7 @@ class SDPOGroup(BatchGroup):
 
 @register_group
 @dataclass
-class DPOGroup(BatchGroup):
+class ReplayGroup(BatchGroup):
     """Replay pairs (the teacher service's DPO pairs): each pair is two sequences, ``context +
     chosen`` and ``context + rejected``, packed in their own rows ``[Rd, T]``.
 

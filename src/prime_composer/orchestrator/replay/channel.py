@@ -18,11 +18,11 @@ from prime_composer.orchestrator.replay.source import PairSource, store_path
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.trace_export import samples_to_traces
 from prime_composer.teacher.client import TeacherClient
-from prime_composer.transport.groups import DPOGroup
+from prime_composer.transport.groups import ReplayGroup
 
 
 class ReplayChannel(OrchestratorChannel):
-    name = DPOGroup.name
+    name = ReplayGroup.name
 
     def __init__(self, config: OrchestratorConfig) -> None:
         self.config = config

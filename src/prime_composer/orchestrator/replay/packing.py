@@ -17,13 +17,13 @@ from prime_composer.orchestrator.packing import Piece, Placement, next_fit
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.teacher.client import Pair
 from prime_composer.transport.batch import BatchGroup
-from prime_composer.transport.groups import DPOGroup
+from prime_composer.transport.groups import ReplayGroup
 
 
 class ReplayPacker:
     """``GroupPacker`` of the ``replay`` group."""
 
-    name = DPOGroup.name
+    name = ReplayGroup.name
 
     def __init__(self) -> None:
         self._queues: list[list[Pair]] = []
@@ -43,7 +43,7 @@ class ReplayPacker:
 
     def build(
         self, placements: list[Placement], num_rows: int, seq_len: int, pad_token_id: int
-    ) -> DPOGroup | None:
+    ) -> ReplayGroup | None:
         pairs = self._queues[self._next] if self._next < len(self._queues) else []
         self._next += 1
         fitting = []
@@ -85,7 +85,7 @@ class ReplayPacker:
                 ref_logprobs[r, tokens] = torch.tensor(refs, dtype=torch.float32)
                 start = end
             position_ids[r, start:] = torch.arange(seq_len - start)
-        return DPOGroup(
+        return ReplayGroup(
             input_ids=input_ids,
             position_ids=position_ids,
             side_mask=side_mask,
@@ -101,5 +101,5 @@ class ReplayPacker:
         return {
             "replay/packed_pairs": self._packed,
             "replay/pack_dropped": self._dropped,
-            "replay/rows": sum(g.input_ids.shape[0] for g in groups if isinstance(g, DPOGroup)),
+            "replay/rows": sum(g.input_ids.shape[0] for g in groups if isinstance(g, ReplayGroup)),
         }

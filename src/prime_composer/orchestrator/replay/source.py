@@ -21,13 +21,13 @@ from typing import Any
 
 from prime_composer.config.orchestrator import ReplaySourceConfig
 from prime_composer.teacher.client import Pair, TeacherClient
-from prime_composer.transport.groups import DPOGroup
+from prime_composer.transport.groups import ReplayGroup
 
 
 class PairSource:
     """``BatchSource`` of the replay pairs."""
 
-    name = DPOGroup.name
+    name = ReplayGroup.name
 
     def __init__(
         self, cfg: ReplaySourceConfig, output_dir: Path, teacher: TeacherClient | None = None

@@ -1,7 +1,7 @@
 """The replay term of the objective: DPO on the teacher service's step-level pairs (``dpo.py``).
 
 Built only when ``loss.replay.weight > 0`` (with weight 0 no pair is packed and no pair forward
-runs). A micro-batch's pairs travel in its ``replay`` group (``transport.groups.DPOGroup``): rows of
+runs). A micro-batch's pairs travel in its ``replay`` group (``transport.groups.ReplayGroup``): rows of
 ``context + chosen`` and ``context + rejected``. Per micro-batch the term runs its own forward of
 the policy on those rows (with gradient, at temperature 1: the pairs are not samples of the
 sampling temperature), sums each side's token log-probabilities, and hands them with the stored
@@ -25,7 +25,7 @@ from prime_composer.trainer.forward import ForwardOutput, forward_rows
 from prime_composer.trainer.losses.base import LossTerm, TermContext, register_term
 from prime_composer.trainer.losses.dpo import dpo_loss, pair_normalizer
 from prime_composer.transport.batch import MicroBatch
-from prime_composer.transport.groups import DPOGroup
+from prime_composer.transport.groups import ReplayGroup
 
 
 @register_term("replay")
@@ -46,7 +46,7 @@ class ReplayTerm(LossTerm):
         self._run: list[bool] = []
 
     def begin_step(self, micro_batches: Sequence[MicroBatch]) -> None:
-        groups = [mb.group(DPOGroup) for mb in micro_batches]
+        groups = [mb.group(ReplayGroup) for mb in micro_batches]
         self.normalizer = pair_normalizer(sum(g.num_pairs for g in groups if g is not None))
         needed = torch.tensor([g is not None for g in groups], dtype=torch.float32)
         if dist.is_available() and dist.is_initialized():
@@ -56,7 +56,7 @@ class ReplayTerm(LossTerm):
     def loss(self, index: int, mb: MicroBatch, out: ForwardOutput) -> tuple[Tensor, dict[str, Tensor]]:
         if not self._run[index]:
             return out.logprobs.new_zeros(()), {}
-        group = mb.group(DPOGroup)
+        group = mb.group(ReplayGroup)
         self.num_forwards += 1
         if group is None:
             # Another rank has pairs here: the same forward, on one padding row, adding 0.
