@@ -11,7 +11,9 @@ happened. This script runs them (``pytest tests/faults``, the slow ones included
 
 ``seed`` is the fault seed every randomly drawn fault came from (a kill point, how full a disk is):
 drawn afresh on each run unless given (``--seed``, or ``FAULTS_SEED``), so repeated
-runs explore other moments and any one can be replayed. ``survived`` counts passing scenarios. ``silent`` counts failures where the fault went unnoticed
+runs explore other moments and any one can be replayed; ``--from-report`` reads it from the
+report (each scenario's ``fault_seed`` property). ``survived`` counts passing scenarios.
+``silent`` counts failures where the fault went unnoticed
 (the test expected an error and none came: pytest's "DID NOT RAISE", or an assertion whose message
 says the damaged input was accepted) — the number that must be 0.
 
@@ -35,6 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SEED_ENV = "FAULTS_SEED"  # read by tests/faults/conftest.py
+SEED_PROPERTY = "fault_seed"  # the JUnit property tests/faults/conftest.py gives every scenario
 SILENT_MARKERS = ("DID NOT RAISE", "accepted", "resumed from the damaged", "did not happen")
 
 
@@ -76,7 +79,7 @@ def main() -> None:
         summarize(report, seed)
 
 
-def summarize(report: Path, seed: int | None = None) -> None:
+def summarize(report: Path, seed: int | str | None = None) -> None:
     """The table and the last lines, from the JUnit XML report of a run that included tests/faults."""
     cases = [
         case
@@ -85,6 +88,19 @@ def summarize(report: Path, seed: int | None = None) -> None:
     ]
     rows: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     failures = []
+    # Every scenario carries the run's seed (tests/faults/conftest.py); one run has one.
+    recorded = sorted(
+        {
+            prop.get("value", "")
+            for case in cases
+            for prop in case.iter("property")
+            if prop.get("name") == SEED_PROPERTY
+        }
+    )
+    if seed is None and recorded:
+        seed = ",".join(recorded)
+    elif seed is not None and recorded and recorded != [str(seed)]:
+        failures.append(f"the report's scenarios ran with seed {','.join(recorded)}, not {seed}")
     for case in cases:
         where = case.get("classname", "?").rsplit(".", 1)[-1]
         problem = case.find("failure")
