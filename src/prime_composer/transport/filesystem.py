@@ -72,15 +72,20 @@ class FilesystemReceiver:
                     "running with transport.kind = 'filesystem' and the same output_dir?"
                 )
             time.sleep(self.cfg.poll_interval_s)
+        redo = (
+            "nothing was trained on it. Resume the run (--resume) so the orchestrator writes this step again"
+        )
         try:
             got_step, got_rank, micro_batches = decode_rank_batch(path.read_bytes())
         except (IntegrityError, BatchFormatError) as e:
-            raise type(e)(
-                f"{path}: {e}; nothing was trained on it. Resume the run (--resume) so the orchestrator "
-                "writes this step again"
-            ) from None
+            raise type(e)(f"{path}: {e}; {redo}") from None
+        except OSError as e:  # a directory, or a file that cannot be read, in the batch's place
+            raise IntegrityError(f"{path}: cannot be read as a batch ({e.strerror or e}); {redo}") from None
         if (got_step, got_rank) != (step, rank):
-            raise ValueError(f"{path} holds step {got_step} rank {got_rank}, not step {step} rank {rank}")
+            raise BatchFormatError(
+                f"{path}: holds step {got_step} rank {got_rank}, not step {step} rank {rank} (a file "
+                f"of another run or step copied here?); {redo}"
+            )
         return micro_batches
 
     def close(self) -> None:
