@@ -518,7 +518,7 @@ class GatedIngestor:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    async def ingest(self, body: bytes):
+    async def ingest(self, body: bytes | bytearray):
         self.entered.set()
         await asyncio.to_thread(self.release.wait, 120)
         return await self.real.ingest(body)  # type: ignore[attr-defined]

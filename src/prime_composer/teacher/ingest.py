@@ -50,7 +50,7 @@ def _ready() -> bool:
     return _worker is not None
 
 
-def ingest_body(body: bytes, store: TeacherStore, limits: TraceSourceConfig) -> IngestResult:
+def ingest_body(body: bytes | bytearray, store: TeacherStore, limits: TraceSourceConfig) -> IngestResult:
     """Parse ``body``, store every valid trace; what the route answers."""
     try:
         data = json.loads(body)
@@ -82,7 +82,7 @@ def _bad(detail: str) -> IngestResult:
     return IngestResult(400, {"detail": detail})
 
 
-def _ingest_in_worker(body: bytes) -> IngestResult:
+def _ingest_in_worker(body: bytes | bytearray) -> IngestResult:
     assert _worker is not None, "the worker's initializer did not run"
     return ingest_body(body, *_worker)
 
@@ -105,7 +105,7 @@ class TraceIngestor:
         pool.submit(_ready)
         return pool
 
-    async def ingest(self, body: bytes) -> IngestResult:
+    async def ingest(self, body: bytes | bytearray) -> IngestResult:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._pool, _ingest_in_worker, body)

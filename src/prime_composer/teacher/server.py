@@ -128,7 +128,7 @@ def build_app(
             body += chunk
             if len(body) > max_body:
                 raise HTTPException(413, f"body larger than {max_body} bytes (16 x traces.max_line_bytes)")
-        result = await ingestor.ingest(bytes(body))
+        result = await ingestor.ingest(body)  # as it is: a copy of 64 MB would hold the loop
         if result.status != 200:
             return JSONResponse(result.body, status_code=result.status)
         if result.body["accepted"] and on_traces is not None:
