@@ -96,9 +96,6 @@ def test_every_scenario_records_the_one_seed_of_its_run(suite, args, capsys) -> 
     load_bench().summarize(report)
     lines = capsys.readouterr().out.splitlines()
     assert lines[-2:] == [f"seed={seed}", "scenarios=2 survived=2 silent=0"]
-    # Another run draws another seed (unless fixed): 2**32 seeds, a clash is a failure of the draw.
-    _, again = run_suite(tmp, args, env)
-    assert set(again.values()) != {seed}
 
 
 def test_a_fixed_seed_replays_the_same_kill_points(suite) -> None:
@@ -112,3 +109,17 @@ def test_a_fixed_seed_replays_the_same_kill_points(suite) -> None:
     for name, value in drawn.items():
         node_id = f"tests/faults/test_tiny_faults.py::{name}"
         assert value == random.Random(f"1234/{node_id}").randrange(10**9)
+
+
+def test_the_seed_varies_per_run_unless_fixed() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "faults_conftest", REPO / "tests" / "faults" / "conftest.py"
+    )
+    assert spec is not None and spec.loader is not None
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    run_a, run_b = {"PYTEST_XDIST_TESTRUNUID": "9f" * 16}, {"PYTEST_XDIST_TESTRUNUID": "3c" * 16}
+    assert conftest.run_seed(run_a) == conftest.run_seed(dict(run_a))  # the workers of one run agree
+    assert conftest.run_seed(run_a) != conftest.run_seed(run_b)  # another run, another seed
+    assert len({conftest.run_seed({}) for _ in range(5)}) > 1  # drawn afresh without xdist
+    assert conftest.run_seed({**run_a, "FAULTS_SEED": "77"}) == "77"  # fixed wins
