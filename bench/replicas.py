@@ -12,7 +12,13 @@ its rounds. The last line is
     replicas_ratio = rollouts/s with 2 replicas / rollouts/s with 1        (target >= 1.8)
 
 The relay runs in the benchmark's process, as it would in the orchestrator's, and needs CPU too:
-on a 2-core machine the two servers and the caller share the cores, so expect less than 2.
+on a 2-core machine the two servers and the caller share the cores, so expect less than 2. To show
+where a ratio below 2 comes from, each phase also reports the CPU time it used (the servers' from
+``/proc/<pid>/stat``, the caller's and relay's from ``getrusage``) per rollout and in cores (CPU
+seconds / wall seconds): 2 replicas reach 2x only if their phase gets the cores that twice the
+1-replica rate costs at the 2-replica CPU per rollout (``2x needs``), which is higher than one
+replica's when a decode step costs about the same at half the batch (a small model on a CPU). ``cores_free`` is the CPUs this process may use minus the 1-minute load
+average of everything else (measured before the servers start).
 
     uv run python bench/replicas.py                      # ~2 min
     uv run python bench/replicas.py --rounds 3 --num-rollouts 64
@@ -24,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -89,8 +96,27 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300
     raise RuntimeError(f"the server at {url} did not start in {timeout_s:.0f} s")
 
 
-async def measure(urls: list[str], args: argparse.Namespace, model: str) -> float:
-    """Rollouts per second of ``args.num_rollouts`` generate calls, ``args.concurrency`` in flight."""
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` have used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def measure(
+    urls: list[str], pids: list[int], args: argparse.Namespace, model: str
+) -> tuple[float, float, float, float]:
+    """Rollouts per second of ``args.num_rollouts`` generate calls, ``args.concurrency`` in flight
+    (after a warm-up), and over those same calls: the servers' (``pids``) CPU seconds per rollout,
+    the caller's and relay's, and the cores used (all CPU seconds / wall seconds)."""
     from prime_composer.orchestrator.replicas import ReplicaPool, rollout_url
 
     pool = ReplicaPool(urls)
@@ -113,9 +139,12 @@ async def measure(urls: list[str], args: argparse.Namespace, model: str) -> floa
             await asyncio.gather(*(worker() for _ in range(min(4, args.concurrency))))  # warm
             for i in range(args.num_rollouts):
                 queue.put_nowait(i)
-            start = time.perf_counter()
+            server0, own0, start = cpu_seconds(pids), own_cpu_seconds(), time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-            return args.num_rollouts / (time.perf_counter() - start)
+            wall = time.perf_counter() - start
+            server, own = cpu_seconds(pids) - server0, own_cpu_seconds() - own0
+            n = args.num_rollouts
+            return n / wall, server / n, own / n, (server + own) / wall
 
 
 def main() -> None:
@@ -129,6 +158,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    num_cpus = len(os.sched_getaffinity(0))
+    cores_free = max(0.0, num_cpus - os.getloadavg()[0])
     model = build_model(args)
     with tempfile.TemporaryDirectory(prefix="bench-replicas-") as tmp:
         work = Path(tmp)
@@ -137,15 +168,22 @@ def main() -> None:
             for proc, url in servers:
                 wait_healthy(url, proc)
             urls = [url for _, url in servers]
+            pids = [proc.pid for proc, _ in servers]
             one: list[float] = []
             two: list[float] = []
+            cores: dict[int, list[float]] = {1: [], 2: []}
+            cpu_per_rollout: dict[int, list[float]] = {1: [], 2: []}
             for r in range(args.rounds):
-                one.append(asyncio.run(measure(urls[:1], args, str(model))))
-                two.append(asyncio.run(measure(urls, args, str(model))))
-                print(
-                    f"round {r}: 1 replica {one[-1]:.2f} rollouts/s, 2 replicas {two[-1]:.2f} rollouts/s",
-                    flush=True,
-                )
+                for n, rates in ((1, one), (2, two)):
+                    rate, server_s, own_s, used = asyncio.run(measure(urls[:n], pids[:n], args, str(model)))
+                    rates.append(rate)
+                    cores[n].append(used)
+                    cpu_per_rollout[n].append(server_s + own_s)
+                    print(
+                        f"round {r}: {n} replica(s) {rate:.2f} rollouts/s; CPU per rollout: servers "
+                        f"{server_s * 1000:.0f} ms, caller + relay {own_s * 1000:.0f} ms; {used:.2f} cores",
+                        flush=True,
+                    )
         finally:
             for proc, _ in servers:
                 proc.terminate()
@@ -157,6 +195,14 @@ def main() -> None:
     print(
         f"model: Qwen3 hidden {args.hidden}, {args.layers} layers; {args.max_tokens} tokens per rollout, "
         f"{args.concurrency} in flight, {args.num_rollouts} rollouts per round, one torch thread per replica"
+    )
+    # Twice the 1-replica rate at the 2-replica phase's CPU cost per rollout (which is higher when
+    # each server's batch is half as large and a decode step costs about the same either way).
+    needed = 2 * median(one) * median(cpu_per_rollout[2])
+    print(
+        f"cpus={num_cpus} cores_free={cores_free:.2f} (before the servers started); CPU per rollout: "
+        f"1 replica {median(cpu_per_rollout[1]) * 1000:.0f} ms, 2 replicas {median(cpu_per_rollout[2]) * 1000:.0f} ms; "
+        f"cores used: 1 replica {median(cores[1]):.2f}, 2 replicas {median(cores[2]):.2f} (2x needs {needed:.2f})"
     )
     print(f"replicas_1_rollouts_per_s={median(one):.3f}")
     print(f"replicas_2_rollouts_per_s={median(two):.3f}")

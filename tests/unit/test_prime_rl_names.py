@@ -118,7 +118,10 @@ def test_wiki_search_gate_gpus_and_vllm_arguments(tmp_path: Path) -> None:
     assert config.inference.vllm.extra_args == ["--tool-call-parser", "hermes"]
     assert config.trainer.optim.weight_decay == 0.0
     joined = "\n".join(notes)
-    assert "deployment.num_infer_gpus = 6" in joined and "orchestrator.concurrency.initial_inflight" in joined
+    assert "orchestrator.concurrency.initial_inflight" in joined
+    # 6 inference GPUs of one GPU each: 6 replicas on GPUs 0-5, the trainer on the next two.
+    assert config.inference.num_replicas == 6
+    assert config.launch.gpus == {"inference": [0, 1, 2, 3, 4, 5], "trainer": [6, 7]}
     assert "inference.backend = 'vllm'" in joined  # PRIME-RL serves with vLLM; here that is a choice
 
 
@@ -126,7 +129,8 @@ def test_wordle_player_seat_and_data_parallel() -> None:
     config, notes = resolve("@", str(FIXTURES / "wordle.toml"))
     assert [e.id for e in config.orchestrator.env] == ["wordle"]
     assert config.orchestrator.seq_len == 8192 and config.orchestrator.sampling.max_tokens == 1024
-    assert any("inference.vllm.data_parallel_size = 6" in n for n in notes)
+    assert config.inference.num_replicas == 6  # data_parallel_size and num_infer_gpus agree
+    assert not any("data_parallel_size" in n for n in notes)
 
 
 def test_hendrycks_per_process_seq_len_and_an_eval_only_taskset() -> None:
@@ -175,7 +179,9 @@ def test_multi_node_deployment_maps_to_nodes_ranks_and_remote_inference(tmp_path
     assert (config.launch.nodes, config.trainer.num_ranks, config.launch.remote_inference) == (3, 12, True)
     assert config.orchestrator.base_url == "http://infer-0:8000/v1"  # a list of one is one server
     joined = "\n".join(notes)
-    assert "deployment.nodes_per_fsdp_group = 1" in joined and "orchestrator.client.timeout = 60" in joined
+    assert "orchestrator.client.timeout = 60" in joined
+    # One node per FSDP island: HSDP with a copy of the model on each of the 3 nodes.
+    assert config.trainer.parallel.replicate == 3 and config.trainer.mesh_shape == (3, 4)
     # Node 0 starts the orchestrator and its share of the ranks; no inference server.
     from prime_composer.config.processes import node_processes
 
@@ -187,6 +193,7 @@ def test_multi_node_deployment_maps_to_nodes_ranks_and_remote_inference(tmp_path
         "deployment.gpus_per_node = 4 -> trainer.num_ranks (num_train_nodes x gpus_per_node = 3 x 4" in text
     )
     assert "nodes = 3" in text and "num_ranks = 12" in text and "remote_inference = true" in text
+    assert "deployment.nodes_per_fsdp_group = 1 -> trainer.parallel.replicate (num_train_nodes /" in text
 
 
 def test_inference_nodes_without_their_urls_is_a_line_to_edit(tmp_path: Path) -> None:
@@ -202,6 +209,60 @@ def test_single_node_deployment_changes_nothing(tmp_path: Path) -> None:
     text = '[deployment]\ntype = "single_node"\nnum_train_gpus = 2\nnum_infer_gpus = 1\ngpus_per_node = 8\n'
     config, _ = resolve("@", str(FIXTURES / "reverse-text.toml"), "@", write(tmp_path, text))
     assert (config.launch.nodes, config.trainer.num_ranks, config.launch.remote_inference) == (1, 2, False)
+
+
+def test_inference_gpus_become_replicas_of_tensor_parallel_size(tmp_path: Path) -> None:
+    text = (
+        '[deployment]\ntype = "single_node"\nnum_train_gpus = 2\nnum_infer_gpus = 4\n'
+        "[inference.parallel]\ntp = 2\n"
+    )
+    config, _ = resolve("@", str(FIXTURES / "reverse-text.toml"), "@", write(tmp_path, text))
+    assert config.inference.num_replicas == 2 and config.inference.vllm.tensor_parallel_size == 2
+    assert config.launch.gpus == {"inference": [0, 1, 2, 3], "trainer": [4, 5]}
+    text, problems = migrate(["@", str(FIXTURES / "reverse-text.toml"), "@", str(tmp_path / "c.toml")])
+    assert problems == []
+    assert (
+        "deployment.num_infer_gpus = 4 -> inference.num_replicas (num_infer_gpus / tensor_parallel_size"
+        in text
+    )
+    assert "num_replicas = 2" in text
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "[deployment]\nnum_infer_gpus = 3\n[inference.vllm]\ntensor_parallel_size = 2\n",
+            r"deployment.num_infer_gpus = 3 \(PRIME-RL\) has no equivalent here: every inference replica "
+            r"takes tensor_parallel_size = 2 GPUs",
+        ),
+        (
+            "[deployment]\nnum_infer_gpus = 4\n[inference.vllm]\ndata_parallel_size = 2\n",
+            r"inference.vllm.data_parallel_size = 2 \(PRIME-RL's name for inference.num_replicas\) conflicts "
+            r"with inference.num_replicas = 4",
+        ),
+        (
+            '[deployment]\ntype = "multi_node"\nnum_train_nodes = 3\nnodes_per_fsdp_group = 2\n',
+            r"deployment.nodes_per_fsdp_group = 2 \(PRIME-RL\) has no equivalent here: each copy of the model",
+        ),
+        (
+            '[deployment]\ntype = "multi_node"\nnum_train_nodes = 2\nnodes_per_fsdp_group = 1\n'
+            "[trainer.model]\ndp_replicate = 1\n",
+            r"trainer.parallel.replicate",
+        ),
+    ],
+)
+def test_replica_and_island_counts_that_do_not_fit_are_refused(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        resolve("@", str(FIXTURES / "reverse-text.toml"), "@", write(tmp_path, text))
+
+
+def test_dp_replicate_is_hsdp_and_data_parallel_engines_are_replicas(tmp_path: Path) -> None:
+    text = "[trainer]\nnum_ranks = 4\n[trainer.model]\ndp_replicate = 2\n[inference.vllm]\ndata_parallel_size = 3\n"
+    config, _ = resolve("@", str(FIXTURES / "reverse-text.toml"), "@", write(tmp_path, text))
+    assert config.trainer.mesh_shape == (2, 2) and config.inference.num_replicas == 3
 
 
 def test_an_unknown_deployment_type_is_refused(tmp_path: Path) -> None:

@@ -77,6 +77,15 @@ def _check_nodes(config: RLConfig, origins: dict[str, str]) -> None:
             f"{nodes}: trainer.num_ranks counts the ranks of all nodes and each node starts the same "
             f"number, so make it a multiple of {nodes} (e.g. {nodes * max(1, ranks // nodes)})"
         )
+    replicate, shard = config.trainer.mesh_shape
+    per_node = ranks // nodes
+    if replicate > 1 and shard % per_node and per_node % shard:
+        raise ConfigError(
+            f"{origin_of('trainer.parallel', origins)}: HSDP of {replicate} x {shard} ranks on launch.nodes = "
+            f"{nodes} of {per_node} ranks each puts a copy's shards on parts of several nodes; make "
+            f"trainer.parallel.shard divide {per_node} (shards within a node, e.g. replicate = {ranks // per_node}) "
+            f"or a multiple of it (whole nodes per copy)"
+        )
 
 
 def _check_remote_inference(config: RLConfig, origins: dict[str, str]) -> None:

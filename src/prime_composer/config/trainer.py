@@ -63,6 +63,25 @@ class LoraConfig(BaseConfig):
         return targets
 
 
+class ParallelConfig(BaseConfig):
+    """How the trainer's ranks hold the model: FSDP2 over all of them (the default), or HSDP.
+
+    HSDP (hybrid sharding, torchtitan's ``dp_replicate x dp_shard``) arranges the ranks as a
+    ``replicate x shard`` grid: each group of ``shard`` consecutive ranks holds one whole copy of
+    the model, sharded over its ranks, and the ``replicate`` copies average their gradients. Across
+    nodes that is "replicate across nodes, shard within": the parameter all-gathers and gradient
+    reduce-scatters stay on a node's fast links, and only one all-reduce of each gradient shard
+    crosses between nodes. Every rank still trains on its own share of the batch."""
+
+    replicate: int = Field(default=1, ge=1)
+    """Copies of the model (HSDP's replicate dimension); 1: plain FSDP2 over all ranks. PRIME-RL's
+    ``trainer.model.dp_replicate``."""
+
+    shard: int | None = Field(default=None, ge=1)
+    """Ranks each copy is sharded over; ``None``: ``trainer.num_ranks / replicate``. When given,
+    ``replicate * shard`` must equal ``trainer.num_ranks``."""
+
+
 class TrainerModelConfig(ModelConfig):
     """The policy model (shared with the other processes) plus what only the trainer uses."""
 
@@ -93,6 +112,9 @@ class TrainerConfig(CommonConfig):
     num_ranks: int = Field(default=1, ge=1)
     """Data-parallel ranks; more than 1 runs under torchrun with FSDP2."""
 
+    parallel: ParallelConfig = ParallelConfig()
+    """FSDP2 over every rank, or HSDP (``replicate x shard``) with ``replicate > 1``."""
+
     optim: OptimConfig = OptimConfig()
     """Optimizer and learning-rate schedule."""
 
@@ -119,6 +141,30 @@ class TrainerConfig(CommonConfig):
 
     num_threads: int | None = Field(default=None, ge=1)
     """CPU threads for torch (``torch.set_num_threads``); ``None`` leaves torch's default."""
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """``(replicate, shard)`` of the trainer's device mesh; ``(1, num_ranks)`` is plain FSDP2."""
+        replicate = self.parallel.replicate
+        return replicate, self.parallel.shard or self.num_ranks // replicate
+
+    @model_validator(mode="after")
+    def _check_parallel(self) -> TrainerConfig:
+        replicate, shard = self.parallel.replicate, self.parallel.shard
+        if self.num_ranks % replicate:
+            raise ValueError(
+                f"trainer.parallel.replicate = {replicate} does not divide trainer.num_ranks = "
+                f"{self.num_ranks}: each copy of the model is sharded over num_ranks / replicate ranks, "
+                f"so make num_ranks a multiple of {replicate} (or lower replicate)"
+            )
+        if shard is not None and replicate * shard != self.num_ranks:
+            raise ValueError(
+                f"trainer.parallel.replicate x trainer.parallel.shard = {replicate} x {shard} = "
+                f"{replicate * shard}, but trainer.num_ranks = {self.num_ranks}: the grid must hold every "
+                f"rank once; set shard = {self.num_ranks // replicate} or remove trainer.parallel.shard "
+                "(it then follows from num_ranks / replicate)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_lora(self) -> TrainerConfig:

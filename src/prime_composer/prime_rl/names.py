@@ -41,7 +41,7 @@ from pydantic import BaseModel
 
 from prime_composer.config.cli import DIALECTS, flatten, origin_of, resolve_field
 from prime_composer.config.errors import ConfigError
-from prime_composer.prime_rl.rules import RULES, SEATS, Kind, Rule
+from prime_composer.prime_rl.rules import REPLICAS_WHY, RULES, SEATS, Kind, Rule
 
 
 @dataclass
@@ -129,6 +129,7 @@ class _Translator:
         self._optim()
         self._seq_len()
         self._vllm_passthrough()
+        self._inference_gpus()
         self._deployment()
         for key in list(self.flat):
             if _exists(self.model, key):
@@ -424,6 +425,53 @@ class _Translator:
             else:
                 self._seat(key, value, full, origin)
 
+    def _inference_gpus(self) -> None:
+        """One node's ``num_infer_gpus`` -> ``inference.num_replicas = num_infer_gpus /
+        tensor_parallel_size`` (PRIME-RL's data-parallel engines, each a server of its own here),
+        and PRIME-RL's GPU layout (inference on the first ``num_infer_gpus`` GPUs, the trainer on the
+        next ``num_train_gpus``) -> ``launch.gpus``."""
+        if "deployment.num_infer_gpus" not in self.flat or self.flat.get("deployment.type") == "multi_node":
+            return
+        key = "deployment.num_infer_gpus"
+        infer = self.flat.pop(key)
+        origin = self.origin(key)
+        tp = self.flat.get("inference.vllm.tensor_parallel_size", self.flat.get("inference.parallel.tp", 1))
+        train = self.flat.get("deployment.num_train_gpus", 1)  # its rule makes it trainer.num_ranks
+        if not all(isinstance(v, int) and v >= 1 for v in (infer, tp, train)) or infer % tp:
+            self.note(
+                "unsupported",
+                key,
+                infer,
+                origin,
+                f"every inference replica takes tensor_parallel_size = {tp} GPUs",
+                "a multiple of inference.vllm.tensor_parallel_size (inference.parallel.tp)",
+            )
+            return
+        self.put(
+            "inference.num_replicas",
+            infer // tp,
+            key,
+            origin,
+            f"num_infer_gpus / tensor_parallel_size = {infer} / {tp}: {REPLICAS_WHY}",
+            shown=infer,
+        )
+        self.put(
+            "launch.gpus.inference",
+            list(range(infer)),
+            key,
+            origin,
+            "the first GPUs, as in PRIME-RL",
+            shown=infer,
+        )
+        self.put(
+            "launch.gpus.trainer",
+            list(range(infer, infer + train)),
+            "deployment.num_train_gpus",
+            origin,
+            "the GPUs after inference's, as in PRIME-RL",
+            shown=train,
+        )
+
     def _deployment(self) -> None:
         """``[deployment] type = "multi_node"``: ``num_train_nodes`` -> ``launch.nodes``, its nodes'
         GPUs (``gpus_per_node``, 8 unless given) -> ``trainer.num_ranks`` (the ranks of all nodes),
@@ -457,6 +505,31 @@ class _Translator:
                 return
         nodes = self.flat.pop("deployment.num_train_nodes", 1)
         self.put("launch.nodes", nodes, "deployment.num_train_nodes", origin, "trainer nodes")
+        per_copy = self.flat.pop("deployment.nodes_per_fsdp_group", None)
+        if per_copy is not None:
+            key = "deployment.nodes_per_fsdp_group"
+            if (
+                not (isinstance(per_copy, int) and isinstance(nodes, int) and per_copy >= 1)
+                or nodes % per_copy
+            ):
+                self.note(
+                    "unsupported",
+                    key,
+                    per_copy,
+                    origin,
+                    f"each copy of the model (an FSDP island) takes whole nodes of the {nodes} trainer nodes",
+                    "a divisor of deployment.num_train_nodes",
+                )
+            else:
+                self.put(
+                    "trainer.parallel.replicate",
+                    nodes // per_copy,
+                    key,
+                    origin,
+                    f"num_train_nodes / nodes_per_fsdp_group = {nodes} / {per_copy}: HSDP, one copy of the "
+                    f"model sharded over every {per_copy} node(s)",
+                    shown=per_copy,
+                )
         gpus = self.flat.pop("deployment.gpus_per_node", 8)
         if isinstance(nodes, int) and isinstance(gpus, int):
             self.put(

@@ -76,6 +76,10 @@ def _wandb_mode(offline: Any) -> str:
 
 
 _LOG = "PRIME_COMPOSER_LOG_LEVEL=debug in the environment"
+REPLICAS_WHY = (
+    "each data-parallel engine is its own server (a replica) here; the orchestrator spreads "
+    "rollouts over them and updates them all"
+)
 _LORA_SERVED = "the adapter is served under the model's own name (inference.served_model_name)"
 _LORA_VLLM = "rl starts vLLM with --enable-lora --max-lora-rank trainer.model.lora.rank when LoRA is on"
 _NO_LENGTH_PENALTY = (
@@ -153,15 +157,12 @@ RULES: tuple[Rule, ...] = (
         "sbatch infra/multinode/slurm.sbatch (rl on every node of the allocation)",
     ),
     rename("deployment.num_train_gpus", "trainer.num_ranks"),
+    # deployment.type, num_train_nodes, num_infer_nodes, nodes_per_fsdp_group, (multi_node)
+    # gpus_per_node and (single_node) num_infer_gpus: names.py
     ignored(
-        "deployment.num_infer_gpus",
-        "the inference server is one replica",
-        "inference.vllm.tensor_parallel_size and launch.gpus.inference",
-    ),
-    # deployment.type, num_train_nodes, num_infer_nodes and (multi_node) gpus_per_node: names.py
-    ignored(
-        "deployment.nodes_per_fsdp_group",
-        "FSDP2 shards over every rank of every node (no HSDP islands)",
+        "deployment.num_infer_replicas",
+        "the servers of the inference nodes are started there and listed here",
+        "orchestrator.base_url, one URL per replica",
     ),
     ignored("deployment.*", "rl starts the processes of each node", "launch.nodes, trainer.num_ranks"),
     # ---- orchestrator
@@ -265,6 +266,9 @@ RULES: tuple[Rule, ...] = (
         "adapters train the targeted linear layers only (no fully trained modules, no per-layer ranks)",
         "trainer.model.lora (rank, alpha, dropout, target_modules)",
     ),
+    rename(
+        "trainer.model.dp_replicate", "trainer.parallel.replicate", why="HSDP: copies of the sharded model"
+    ),
     ignored("trainer.model.optimization_dtype", "precision is one switch here", "trainer.mixed_precision"),
     ignored("trainer.model.reduce_dtype", "precision is one switch here", "trainer.mixed_precision"),
     ignored(
@@ -286,18 +290,32 @@ RULES: tuple[Rule, ...] = (
     rename("inference.server.host", "inference.host"),
     rename("inference.server.port", "inference.port"),
     rename("inference.env_vars.*", "inference.vllm.env.*"),
-    ignored(
+    rename(
         "inference.vllm.data_parallel_size",
-        "the inference server is one replica",
-        "inference.vllm.tensor_parallel_size",
+        "inference.num_replicas",
+        why=REPLICAS_WHY,
     ),
-    ignored("inference.vllm.data_parallel_size_local", "the inference server is one replica"),
-    ignored("inference.vllm.api_server_count", "the inference server is one replica"),
+    rename("inference.parallel.dp", "inference.num_replicas", why=REPLICAS_WHY),
+    rename("inference.parallel.tp", "inference.vllm.tensor_parallel_size"),
+    ignored(
+        "inference.vllm.data_parallel_size_local",
+        "the replicas rl starts all run on its own node",
+        "inference.num_replicas",
+    ),
+    ignored("inference.vllm.api_server_count", "each replica is one server with one API process"),
     ignored("inference.vllm.enable_return_routed_experts", "MoE router replay is not implemented"),
     ignored("inference.vllm.enable_lora", _LORA_VLLM, "trainer.model.lora"),
     ignored("inference.vllm.max_lora_rank", _LORA_VLLM, "trainer.model.lora.rank"),
-    ignored("inference.deployment.*", "the inference server is one replica on this node"),
-    ignored("inference.router.*", "the inference server is one replica on this node"),
+    ignored(
+        "inference.deployment.*",
+        "rl starts inference replicas on its own node; servers on other nodes are started there",
+        "inference.num_replicas, or orchestrator.base_url listing the other nodes' servers",
+    ),
+    ignored(
+        "inference.router.*",
+        "the orchestrator spreads rollouts over the replicas itself (least in flight, step gating)",
+        "inference.num_replicas",
+    ),
     ignored("inference.kv_cache_offload.*", "there is no KV cache offload"),
     ignored(
         "inference.weight_broadcast.*", "weights are published through the filesystem (broadcasts/step_N)"

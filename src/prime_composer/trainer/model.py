@@ -14,6 +14,16 @@ layer's full parameters exist at a time during forward/backward, then on the roo
 Decoder layers are found by the model's own ``_no_split_modules`` class names, which transformers
 declares for every architecture, instead of guessing attribute paths.
 
+HSDP (``replicate > 1``): the same ``fully_shard`` calls on a 2-D mesh ``(replicate, shard)``, ranks
+laid out row by row (ranks ``0 .. shard - 1`` hold the first copy), as torchtitan builds its
+``dp_replicate x dp_shard`` mesh. FSDP2 then all-gathers and reduce-scatters within a row and
+all-reduces the gradient shards down each column; the parameters are DTensors placed
+``(Replicate(), Shard(0))``. Nothing else in the trainer names the mesh: every rank still gets its
+own micro-batches, so the loss normalizers, metrics and checks all-reduce over every rank as with
+FSDP; FSDP2 divides the gradients by the number of ranks in both layouts (the ``world_size`` factor
+of ``train_step`` undoes it); the gradient norm, ``full_state_dict`` and the DCP checkpoints go
+through the DTensors, which know their mesh (DCP writes a replicated shard once).
+
 Every rank loads the whole checkpoint on CPU before sharding. That is simple and correct; for
 models too big for one host's memory, loading on the ``meta`` device and broadcasting shards from
 rank 0 would be the next step.
@@ -164,9 +174,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard_model(model: nn.Module, world: World, mixed_precision: bool) -> nn.Module:
+def shard_model(model: nn.Module, world: World, mixed_precision: bool, replicate: int = 1) -> nn.Module:
     """Shard ``model`` with FSDP2 over all ranks (per decoder layer, then the root) and move it to
-    ``world.device``; with one rank it is only moved.
+    ``world.device``; with one rank it is only moved. ``replicate > 1``: HSDP, ``replicate`` copies
+    each sharded over ``world_size / replicate`` consecutive ranks (``device_mesh``).
 
     ``mixed_precision`` computes in bfloat16 and reduces gradients in float32 while the optimizer
     keeps the parameters in their stored dtype (load them in float32 for that). It needs FSDP, so
@@ -181,7 +192,6 @@ def shard_model(model: nn.Module, world: World, mixed_precision: bool) -> nn.Mod
             )
         return model.to(world.device)
 
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if mixed_precision and next(model.parameters()).dtype != torch.float32:
@@ -196,11 +206,27 @@ def shard_model(model: nn.Module, world: World, mixed_precision: bool) -> nn.Mod
     )
     # fully_shard moves each module's shards (and buffers) to the mesh's device, so CPU-loaded full
     # weights never all sit on the GPU at once.
-    mesh = init_device_mesh(world.device.type, (world.world_size,))
+    mesh = device_mesh(world, replicate)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def device_mesh(world: World, replicate: int = 1) -> Any:
+    """The trainer's ``DeviceMesh``: 1-D over every rank (FSDP2), or ``(replicate, shard)`` named
+    ``("replicate", "shard")`` (HSDP). Collective: every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world.world_size % replicate:
+        raise ValueError(
+            f"trainer.parallel.replicate = {replicate} does not divide the {world.world_size} ranks this "
+            "trainer runs with: make trainer.num_ranks a multiple of it"
+        )
+    if replicate == 1:
+        return init_device_mesh(world.device.type, (world.world_size,))
+    shape = (replicate, world.world_size // replicate)
+    return init_device_mesh(world.device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -72,7 +72,10 @@ class Trainer:
         if self.lora is not None:
             self.lora_record = lora_record(config.model.name, base_fingerprint(model), self.lora)
             model = apply_lora(model, self.lora)
-        self.model = shard_model(model, world, config.mixed_precision) if world.is_distributed else model
+        replicate = config.parallel.replicate
+        self.model = (
+            shard_model(model, world, config.mixed_precision, replicate) if world.is_distributed else model
+        )
         self.optimizer, self.scheduler = build_optimizer(self.model, config.optim, config.max_steps)
         # Under FSDP a policy copy is loaded (with its adapters) and sharded like the policy (a
         # sharded module cannot be deep-copied); the policy's local shards are then copied in.
@@ -98,7 +101,7 @@ class Trainer:
         model = load_model(self.config.model, self.world.device)[0]
         if self.lora is not None:
             model = apply_lora(model, self.lora)
-        return shard_model(model, self.world, self.config.mixed_precision)
+        return shard_model(model, self.world, self.config.mixed_precision, self.config.parallel.replicate)
 
     def resume(self) -> None:
         ckpt = self.config.ckpt
