@@ -9,11 +9,11 @@ from pydantic import Field, model_validator
 
 from prime_composer.config.advantage import AdvantageConfig
 from prime_composer.config.base import BaseConfig
-from prime_composer.config.channels import ChannelSections
 from prime_composer.config.client import RetryConfig
 from prime_composer.config.common import CommonConfig
 from prime_composer.config.env import EnvConfig, RolloutConfig, SamplingConfig
 from prime_composer.config.sdpo import HintConfig
+from prime_composer.config.sections import ChannelSections
 
 MIN_TRAIN_TOP_P = 0.05
 """Smallest nucleus for training rollouts (below it the rollouts of a group are all alike)."""
@@ -99,7 +99,7 @@ class ReplicasConfig(BaseConfig):
 
 class OrchestratorConfig(CommonConfig, ChannelSections):
     """The orchestrator: samples rollouts, scores them, computes advantages, packs batches (and a
-    registered plugin channel's ``orchestrator.<name>`` section: ``config/channels.py``)."""
+    registered plugin channel's ``orchestrator.<name>`` section: ``config/sections.py``)."""
 
     channel_kind: ClassVar[Literal["loss", "orchestrator"]] = "orchestrator"
 
