@@ -141,15 +141,13 @@ def test_a_cycle_is_found() -> None:
 
 
 def test_a_typing_only_cycle_is_found(tmp_path: Path) -> None:
+    sources = {
+        "a": "from prime_composer.pkg.b import B\n",
+        "b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from prime_composer.pkg.a import A\n",
+        "c": "from prime_composer.pkg import a\n",
+    }
     (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "a.py").write_text("from prime_composer.pkg.b import B\nclass A: ...\n")
-    (tmp_path / "pkg" / "b.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from prime_composer.pkg.a import A\n"
-        "class B:\n    def f(self, a: A) -> None: ...\n"
-    )
-    (tmp_path / "pkg" / "c.py").write_text("from prime_composer.pkg import a\n")
-    assert find_cycle(module_graph(tmp_path)) == [
-        "prime_composer.pkg.a",
-        "prime_composer.pkg.b",
-        "prime_composer.pkg.a",
-    ]
+    for name, text in sources.items():
+        (tmp_path / "pkg" / f"{name}.py").write_text(text)
+    cycle = ["prime_composer.pkg.a", "prime_composer.pkg.b", "prime_composer.pkg.a"]
+    assert find_cycle(module_graph(tmp_path)) == cycle
