@@ -1,11 +1,11 @@
-"""The config half of the channel registry: the sections a channel brings and the one registry of
-channels, below every config model that holds a channel's section.
+"""The config half of the channel registry: the one registry of channels, and the sections a
+channel brings, below every config model that holds a channel's section.
 
 ``LossConfig`` and ``OrchestratorConfig`` derive from ``ChannelSections``, which accepts a section
-for every registered plugin channel besides their own fields. It needs only each channel's name and
-section classes (``ChannelSections``' entries); the full ``config.channels.ChannelSpec``, whose
-builders take an ``OrchestratorConfig`` or an ``RLConfig``, extends it one layer up, so no config
-model imports the module that names it. Entries are added only through
+for every registered plugin channel beside their own fields. It needs only each channel's name and
+section classes (``ChannelEntry``); ``config.channels.ChannelSpec``, whose builders take an
+``OrchestratorConfig`` or an ``RLConfig``, extends ``ChannelEntry`` one layer up, so no config model
+imports the module that names it. Entries are added only through
 ``config.channels.register_channel``.
 """
 
