@@ -7,14 +7,13 @@ must equal one process computing the loss on all 8 rows at once.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from prime_composer.config.loss import RLLossConfig
+from prime_composer.config.ports import free_port
 from prime_composer.trainer.losses.aggregate import accumulate_metrics, finalize_metrics, rl_normalizer
 from prime_composer.trainer.losses.rl import rl_loss
 
@@ -69,7 +68,4 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_two_gloo_ranks_match_one_process():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_worker, args=(port,), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=2, join=True)

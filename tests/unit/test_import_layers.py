@@ -92,16 +92,17 @@ def test_a_layer_violation_is_found(tmp_path: Path) -> None:
 
 
 def module_graph(src: Path) -> dict[str, set[str]]:
-    """Module -> the project modules it imports when it runs (a package import counts as its
-    ``__init__``; an annotation-only import under ``TYPE_CHECKING`` runs nothing and closes no
-    loop, though the layer rules above count it)."""
+    """Module -> the project modules it imports (a package import counts as its ``__init__``).
+    An annotation-only import under ``TYPE_CHECKING`` counts too: it runs nothing, but two modules
+    that name each other's types are one module split in two, and the loop would run the day the
+    annotation is needed at runtime (a pydantic field, a ``get_type_hints``)."""
     modules = {
         ".".join(("prime_composer", *p.relative_to(src).with_suffix("").parts)).removesuffix(".__init__"): p
         for p in src.rglob("*.py")
     }
     known = set(modules)
     return {
-        name: {m for m in imported_modules(path, typing_only=False, known=known) if m in known and m != name}
+        name: {m for m in imported_modules(path, known=known) if m in known and m != name}
         for name, path in modules.items()
     }
 
@@ -137,3 +138,16 @@ def test_no_import_cycle() -> None:
 def test_a_cycle_is_found() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_a_typing_only_cycle_is_found(tmp_path: Path) -> None:
+    sources = {
+        "a": "from prime_composer.pkg.b import B\n",
+        "b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from prime_composer.pkg.a import A\n",
+        "c": "from prime_composer.pkg import a\n",
+    }
+    (tmp_path / "pkg").mkdir()
+    for name, text in sources.items():
+        (tmp_path / "pkg" / f"{name}.py").write_text(text)
+    cycle = ["prime_composer.pkg.a", "prime_composer.pkg.b", "prime_composer.pkg.a"]
+    assert find_cycle(module_graph(tmp_path)) == cycle

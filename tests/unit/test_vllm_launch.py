@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ import torch
 
 import prime_composer
 from prime_composer.config.inference import InferenceConfig, VLLMConfig
+from prime_composer.config.ports import free_port
 from prime_composer.inference.vllm import extension
 from prime_composer.inference.vllm.admin import SETTINGS_ENV
 from prime_composer.inference.vllm.launch import (
@@ -241,12 +241,6 @@ FAKE_VLLM = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_serve(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
     script = tmp_path / "fake_vllm.py"
     script.write_text(FAKE_VLLM)
@@ -256,7 +250,7 @@ def _start_serve(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen[
     pids = tmp_path / "pids.json"
     config = _config(
         tmp_path,
-        port=_free_port(),
+        port=free_port(),
         model={"name": str(tmp_path)},
         vllm={"python": str(python), "env": {"FAKE_PIDS": str(pids), **env}, "startup_timeout_s": 60},
     )

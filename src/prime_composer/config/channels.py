@@ -15,17 +15,22 @@ trainer               ``term_module``: importing it registers the loss term ``<n
 metrics               ``columns`` of the progress line, ``panels`` and ``summary`` of the report
 ====================  ============================================================================
 
-This module is config: torch-free, importing nothing above ``config/``. The orchestrator and
-trainer sides are reached through callables that import them when called, and through
-``term_module``, a module path the trainer imports. The loop, the resolver, the progress line and
-the report iterate ``channels()`` and name no channel.
+This module is config: torch-free, importing nothing above ``config/``. It sits above
+``config.rl`` (a builder takes an ``OrchestratorConfig``, a resolver an ``RLConfig``, both checked
+by mypy); the registry itself and the part the config models need (``ChannelEntry``: name and
+section classes) are one layer down, in ``config/sections.py``, so no config model imports this
+module and no import, typing-only included, runs in a loop. The orchestrator and trainer sides are
+reached through callables that import them when called, and through ``term_module``, a module path
+the trainer imports. The loop, the resolver, the progress line and the report iterate
+``channels()`` and name no channel.
 
 Config sections of plugin channels: the built-in channels' sections are ordinary fields of
 ``LossConfig`` and ``OrchestratorConfig`` (they show in ``--help``). Both derive from
-``ChannelSections``, which also accepts a section for every registered plugin channel, validated by
-the channel's own config class, kept beside the fields, written back by ``model_dump`` (so a
-resolved config round-trips to each process) and read with ``section(name)``; the CLI's dotted
-keys find it too (``plugin_section``). Any other unknown key stays an error.
+``ChannelSections`` (``config/sections.py``), which also accepts a section for every registered
+plugin channel, validated by the channel's own config class, kept beside the fields, written back
+by ``model_dump`` (so a resolved config round-trips to each process) and read with
+``section(name)``; the CLI's dotted keys find it too (``plugin_section``). Any other unknown key
+stays an error.
 
 Registration: the built-in channels (``prime_composer/channels/rl.py``, ``sdpo.py``,
 ``replay.py``) are imported by name on first use, like entry points; a plugin package registers its own with ``register_channel`` when
@@ -37,32 +42,39 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, cast
+from typing import Any, Protocol
 
-from pydantic import (
-    BaseModel,
-    PrivateAttr,
-    SerializationInfo,
-    ValidationError,
-    model_serializer,
-    model_validator,
+from prime_composer.config.orchestrator import OrchestratorConfig
+from prime_composer.config.rl import RLConfig
+from prime_composer.config.sections import (
+    BUILTIN_MODULES,
+    CHANNELS,
+    ENTRY_POINT_GROUP,
+    ChannelEntry,
+    ChannelSections,
+    Switched,
+    Weighted,
+    plugin_section,
+    registered,
 )
-from pydantic.functional_serializers import SerializerFunctionWrapHandler
-from pydantic.functional_validators import ModelWrapValidatorHandler
 
-from prime_composer.config.base import BaseConfig
-from prime_composer.registry import Registry
-
-if TYPE_CHECKING:
-    from prime_composer.config.orchestrator import OrchestratorConfig
-    from prime_composer.config.rl import RLConfig
-
-BUILTIN_MODULES = (
-    "prime_composer.channels.rl",
-    "prime_composer.channels.sdpo",
-    "prime_composer.channels.replay",
-)
-ENTRY_POINT_GROUP = "prime_composer.channels"
+__all__ = [
+    "BUILTIN_MODULES",
+    "ENTRY_POINT_GROUP",
+    "BuildContext",
+    "ChannelSections",
+    "ChannelSpec",
+    "Column",
+    "OrchestratorPart",
+    "Pairing",
+    "Switched",
+    "Weighted",
+    "channel",
+    "channels",
+    "plugin_section",
+    "register_channel",
+    "unregister_channel",
+]
 
 
 class BuildContext(Protocol):
@@ -106,18 +118,10 @@ class Pairing:
 
 
 @dataclass(frozen=True)
-class ChannelSpec:
-    """Everything one channel brings (see the module docstring)."""
+class ChannelSpec(ChannelEntry):
+    """Everything one channel brings (see the module docstring): its name, config sections and
+    term module (``ChannelEntry``), and what the processes do with them."""
 
-    name: str
-    """The config sections ``trainer.loss.<name>`` / ``orchestrator.<name>``, the loss term and its
-    metric ``loss/<name>``, the batch group, the orchestrator checkpoint entry."""
-    loss_config: type[BaseConfig]
-    """The class of ``trainer.loss.<name>``; it has a ``weight`` (0 = off: the term is never built)."""
-    term_module: str
-    """Module whose import registers the loss term ``<name>`` (``@register_term``) and its group."""
-    orchestrator_config: type[BaseConfig] | None = None
-    """The class of ``orchestrator.<name>`` (with an ``enabled`` field); None: no orchestrator half."""
     orchestrator: Callable[[OrchestratorConfig, BuildContext], OrchestratorPart | None] | None = None
     """Builds the channel's orchestrator part for a run (None when it is off in this config).
     Raises ValueError naming the key to fix on bad settings."""
@@ -132,122 +136,31 @@ class ChannelSpec:
     summary: Callable[[dict[str, list[dict[str, Any]]]], list[str]] | None = None
     """Lines of the end-of-run text summary, from every process's metrics records."""
 
-    def __post_init__(self) -> None:
-        if "weight" not in self.loss_config.model_fields:
-            raise TypeError(f"channel {self.name!r}: {self.loss_config.__name__} has no weight field")
-        if self.orchestrator_config is not None and "enabled" not in self.orchestrator_config.model_fields:
-            raise TypeError(
-                f"channel {self.name!r}: {self.orchestrator_config.__name__} has no enabled field"
-            )
-
-
-_CHANNELS: Registry[ChannelSpec] = Registry(
-    "channel",
-    {module.rsplit(".", 1)[1]: module for module in BUILTIN_MODULES},
-    entry_point_group=ENTRY_POINT_GROUP,
-)
-
 
 def register_channel(spec: ChannelSpec) -> ChannelSpec:
     """Add a channel; its name must be new. Returns ``spec``."""
-    _CHANNELS.load_all()  # the built-ins first, whoever registers first
-    return _CHANNELS.register(spec.name, spec)
+    CHANNELS.load_all()  # the built-ins first, whoever registers first
+    CHANNELS.register(spec.name, spec)
+    return spec
 
 
 def unregister_channel(name: str) -> None:
     """Remove a channel (tests that register a toy one clean up with it)."""
-    _CHANNELS.unregister(name)
+    CHANNELS.unregister(name)
 
 
 def channels() -> list[ChannelSpec]:
     """Every registered channel, built-ins first, in registration order."""
-    _CHANNELS.load_all()
-    return list(_CHANNELS.values())
+    return [_spec(entry) for entry in registered()]
 
 
 def channel(name: str) -> ChannelSpec | None:
-    _CHANNELS.load_all()
-    return _CHANNELS.get(name)
+    CHANNELS.load_all()
+    entry = CHANNELS.get(name)
+    return None if entry is None else _spec(entry)
 
 
-# ------------------------------------------------------------------------ plugin sections
-
-
-class Weighted(Protocol):
-    """A ``trainer.loss.<name>`` section."""
-
-    weight: float
-
-
-class Switched(Protocol):
-    """An ``orchestrator.<name>`` section."""
-
-    enabled: bool
-
-
-def _plugin_configs(kind: Literal["loss", "orchestrator"], builtin: set[str]) -> dict[str, type[BaseConfig]]:
-    found: dict[str, type[BaseConfig]] = {}
-    for spec in channels():
-        config = spec.loss_config if kind == "loss" else spec.orchestrator_config
-        if config is not None and spec.name not in builtin:
-            found[spec.name] = config
-    return found
-
-
-def plugin_section(model: type[BaseModel], name: str) -> type[BaseConfig] | None:
-    """The config class of section ``name`` of ``model`` when a plugin channel brings it (for the
-    CLI's dotted keys, ``config/cli.py``); None otherwise."""
-    if not (isinstance(model, type) and issubclass(model, ChannelSections)) or name in model.model_fields:
-        return None
-    return _plugin_configs(model.channel_kind, set(model.model_fields)).get(name)
-
-
-class ChannelSections(BaseConfig):
-    """A config model that also holds the sections of registered plugin channels."""
-
-    channel_kind: ClassVar[Literal["loss", "orchestrator"]]
-    _plugins: dict[str, BaseConfig] = PrivateAttr(default_factory=dict)
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _plugin_sections(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
-        plugins: dict[str, BaseConfig] = {}
-        if isinstance(data, dict) and any(key not in cls.model_fields for key in data):
-            known = _plugin_configs(cls.channel_kind, set(cls.model_fields))
-            data = dict(data)
-            for key in [k for k in data if k in known]:
-                value = data.pop(key)
-                try:
-                    plugins[key] = (
-                        value if isinstance(value, known[key]) else known[key].model_validate(value)
-                    )
-                except ValidationError as e:
-                    problems = "; ".join(
-                        f"{'.'.join(str(p) for p in (key, *err['loc']))}: {err['msg']}" for err in e.errors()
-                    )
-                    raise ValueError(problems) from None
-        model = handler(data)
-        if plugins:
-            model._plugins = {**model._plugins, **plugins}
-        return model
-
-    @model_serializer(mode="wrap")
-    def _dump_plugins(
-        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
-    ) -> dict[str, Any]:
-        out = cast(dict[str, Any], handler(self))
-        for name, section in self._plugins.items():
-            out[name] = section.model_dump(mode=info.mode, exclude_unset=bool(info.exclude_unset))
-        return out
-
-    def section(self, name: str) -> BaseConfig:
-        """The section ``name``: a field, a plugin section given in the config, or the registered
-        plugin channel's defaults."""
-        if name in type(self).model_fields:
-            return cast(BaseConfig, getattr(self, name))
-        if name in self._plugins:
-            return self._plugins[name]
-        known = _plugin_configs(self.channel_kind, set(type(self).model_fields))
-        if name not in known:
-            raise KeyError(f"no channel {name!r} has a section in this config")
-        return known[name]()
+def _spec(entry: ChannelEntry) -> ChannelSpec:
+    if not isinstance(entry, ChannelSpec):  # only register_channel adds entries
+        raise TypeError(f"channel {entry.name!r} is registered without its ChannelSpec")
+    return entry

@@ -32,7 +32,6 @@ from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
 from pydantic_settings.exceptions import SettingsError
 
-from prime_composer.config.channels import plugin_section
 from prime_composer.config.errors import (
     DAMAGED_INPUT_EXIT_CODE,
     RUN_ERROR_EXIT_CODE,
@@ -43,6 +42,7 @@ from prime_composer.config.errors import (
 )
 from prime_composer.config.help import render_help
 from prime_composer.config.introspect import list_item_model, submodel
+from prime_composer.config.sections import plugin_section
 from prime_composer.registry import Registry
 
 M = TypeVar("M", bound=BaseModel)

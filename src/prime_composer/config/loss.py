@@ -14,8 +14,8 @@ from typing import ClassVar, Literal, Self, cast
 from pydantic import Field, model_validator
 
 from prime_composer.config.base import BaseConfig
-from prime_composer.config.channels import ChannelSections, Weighted, channels
 from prime_composer.config.dpo import DPOLossConfig
+from prime_composer.config.sections import ChannelSections, Weighted, registered
 
 
 class RLLossConfig(BaseConfig):
@@ -121,7 +121,7 @@ class SDPOLossConfig(BaseConfig):
 
 class LossConfig(ChannelSections):
     """All loss terms of the trainer, each with its own section (a registered plugin channel's
-    section too: ``config/channels.py``)."""
+    section too: ``config/sections.py``)."""
 
     channel_kind: ClassVar[Literal["loss", "orchestrator"]] = "loss"
 
@@ -137,4 +137,4 @@ class LossConfig(ChannelSections):
 
     def sections(self) -> list[tuple[str, Weighted]]:
         """Every channel's section, in registration order (the built-ins first)."""
-        return [(spec.name, cast(Weighted, self.section(spec.name))) for spec in channels()]
+        return [(spec.name, cast(Weighted, self.section(spec.name))) for spec in registered()]

@@ -9,13 +9,14 @@ from pydantic import Field, model_validator
 
 from prime_composer.config.advantage import AdvantageConfig
 from prime_composer.config.base import BaseConfig
-from prime_composer.config.channels import ChannelSections
 from prime_composer.config.client import RetryConfig
 from prime_composer.config.common import CommonConfig
 from prime_composer.config.env import EnvConfig, RolloutConfig, SamplingConfig
 from prime_composer.config.sdpo import HintConfig
+from prime_composer.config.sections import ChannelSections
 
 MIN_TRAIN_TOP_P = 0.05
+WEIGHTS_LOAD_RETRY = RetryConfig(timeout_s=600.0, max_retries=3)
 """Smallest nucleus for training rollouts (below it the rollouts of a group are all alike)."""
 
 
@@ -99,7 +100,7 @@ class ReplicasConfig(BaseConfig):
 
 class OrchestratorConfig(CommonConfig, ChannelSections):
     """The orchestrator: samples rollouts, scores them, computes advantages, packs batches (and a
-    registered plugin channel's ``orchestrator.<name>`` section: ``config/channels.py``)."""
+    registered plugin channel's ``orchestrator.<name>`` section: ``config/sections.py``)."""
 
     channel_kind: ClassVar[Literal["loss", "orchestrator"]] = "orchestrator"
 
@@ -174,6 +175,11 @@ class OrchestratorConfig(CommonConfig, ChannelSections):
 
     weights_timeout_s: float = Field(default=3600.0, gt=0)
     """Give up (exit with an error) if the weights a step needs do not appear within this time."""
+
+    weights_load_retry: RetryConfig = WEIGHTS_LOAD_RETRY
+    """Timeouts and retries of each ``/update_weights`` call to an inference server: loading a
+    large model can take minutes, so one attempt may run 10 min; a refused connection (the server
+    restarting) is retried, a refusal (4xx) is final."""
 
     @property
     def server_urls(self) -> list[str]:

@@ -16,6 +16,7 @@ from prime_composer.config.cli import run_entry_point
 from prime_composer.config.errors import ConfigError
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.inference.auth import resolve_admin_secret
+from prime_composer.inference.backend import get_backend
 from prime_composer.logs import setup_logging
 
 
@@ -31,14 +32,7 @@ def check_bind(config: InferenceConfig) -> None:
 def run(config: InferenceConfig) -> int:
     check_bind(config)
     setup_logging("inference")
-    if config.backend == "vllm":
-        from prime_composer.inference.vllm import serve_vllm
-
-        serve_vllm(config)
-    else:
-        from prime_composer.inference.hf.server import serve
-
-        serve(config)
+    get_backend(config.backend).serve(config)
     return 0
 
 

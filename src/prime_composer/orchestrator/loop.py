@@ -104,6 +104,7 @@ class Orchestrator:
             secret_env=config.inference_secret_env,
             poll_s=config.weights_poll_s,
             timeout_s=config.weights_timeout_s,
+            retry=config.weights_load_retry,
         )
         sender = make_sender(config.transport, config.output_dir)
         eval_sampling = config.sampling.model_copy(update={"temperature": config.eval.temperature})

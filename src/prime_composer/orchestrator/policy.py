@@ -25,6 +25,7 @@ from pathlib import Path
 
 from prime_composer.client.http import EndpointClient
 from prime_composer.config.client import RetryConfig
+from prime_composer.config.orchestrator import WEIGHTS_LOAD_RETRY
 from prime_composer.orchestrator.replicas import Replica, ReplicaPool
 from prime_composer.transport.weights import latest_stable
 
@@ -45,6 +46,7 @@ class PolicySync:
         poll_s: float = 0.1,
         timeout_s: float = 3600.0,
         loaded_step: int = 0,
+        retry: RetryConfig = WEIGHTS_LOAD_RETRY,
     ) -> None:
         """``servers``: one server URL, several, or the pool the rollouts are routed through."""
         self.broadcast_root = Path(broadcast_root)
@@ -61,13 +63,9 @@ class PolicySync:
                 f"orchestrator.inference_secret_env = {secret_env!r} but that environment variable is "
                 f"empty; export it with the inference server's secret"
             )
-        # Loading a large model can take minutes: one attempt may run 10 min; a refused connection
-        # (the server restarting) is retried, a refusal (4xx) is final.
+        # ``orchestrator.weights_load_retry``: one attempt may take minutes (a large model).
         self._lock = asyncio.Lock()
-        self._clients = [
-            EndpointClient(r.url, retry=RetryConfig(timeout_s=600.0, max_retries=3), api_key=secret)
-            for r in self.pool.replicas
-        ]
+        self._clients = [EndpointClient(r.url, retry=retry, api_key=secret) for r in self.pool.replicas]
 
     @property
     def loaded_step(self) -> int:
