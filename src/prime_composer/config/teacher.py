@@ -421,6 +421,22 @@ class PairConfig(BaseConfig):
     on_policy: OnPolicyConfig = OnPolicyConfig()
     """Take the chosen side from the student's own samples when one matches the majority."""
 
+    step_dpo: bool = False
+    """Step-DPO: label each trace's selected steps in order and stop at the first one the teachers
+    judge wrong, whose pair (context = the trace up to that step, chosen = the student's own
+    matching sample, rejected = the trace's step) is the trace's only pair; the steps after it are
+    never asked (outcome ``after_error``). Needs ``on_policy.enabled`` and ``on_policy.require_match``
+    (the chosen side is on-policy or there is no pair)."""
+
+    @model_validator(mode="after")
+    def _step_dpo(self) -> Self:
+        if self.step_dpo and not (self.on_policy.enabled and self.on_policy.require_match):
+            raise ValueError(
+                "teacher.pairs.step_dpo = true takes the chosen side from the student's own samples: set "
+                "teacher.pairs.on_policy.enabled = true and teacher.pairs.on_policy.require_match = true"
+            )
+        return self
+
 
 class ReferenceConfig(BaseConfig):
     """Reference logprobs of both sides of every pair, computed once in the service with the

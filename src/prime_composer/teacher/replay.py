@@ -139,6 +139,8 @@ class Replayer:
             finally:
                 semaphore.release()
 
+        if self.cfg.pairs.step_dpo:
+            return await self._run_first_errors(semaphore)
         async with asyncio.TaskGroup() as group:
             for trace_id in self.store.pending_traces():
                 if self.stopping.is_set():
@@ -158,6 +160,59 @@ class Replayer:
         for trace_id in touched:
             self.store.mark_trace_done(trace_id)
         return num_labeled
+
+    async def _run_first_errors(self, semaphore: asyncio.Semaphore) -> int:
+        """Step-DPO (``pairs.step_dpo``): each trace's selected steps in turn order, one at a time,
+        up to the first the teachers judge wrong (a pair): its context is the trace's prefix, which
+        no labeled step before it found wrong. The later steps are not asked (their contexts hold
+        the error) and are stored as skipped (outcome ``after_error``); so is the rest of a trace
+        after a step the budget refused (its correctness unknown)."""
+        touched: list[str] = []
+        num_labeled = 0
+
+        async def first_error(trace: Trace, plan: dict[int, PlannedStep], steps: list[int]) -> None:
+            nonlocal num_labeled
+            try:
+                for i, turn_index in enumerate(steps):
+                    if self.stopping.is_set():
+                        return
+                    label = await self.label(trace, plan[turn_index])
+                    num_labeled += 1
+                    if label is None or label.outcome == "pair":
+                        for later in steps[i + 1 :]:
+                            self._finish_skipped(trace, later)
+                        break
+                touched.append(trace.trace_id)
+            finally:
+                semaphore.release()
+
+        async with asyncio.TaskGroup() as group:
+            for trace_id in self.store.pending_traces():
+                await semaphore.acquire()
+                if self.stopping.is_set():
+                    semaphore.release()
+                    break
+                trace = self.store.load_trace(trace_id)
+                plan = {p.turn_index: p for p in self.plan(trace)}
+                group.create_task(first_error(trace, plan, self.store.pending_steps(trace_id)))
+        for trace_id in touched:
+            self.store.mark_trace_done(trace_id)
+        return num_labeled
+
+    def _finish_skipped(self, trace: Trace, turn_index: int) -> None:
+        self.store.finish_step(
+            trace.trace_id,
+            turn_index,
+            status="skipped",
+            outcome="after_error",
+            process_reward=None,
+            trace_share=None,
+            best_share=None,
+            num_votes=0,
+            votes=[],
+            cost_usd=0.0,
+            pair=None,
+        )
 
     async def _ask_all(
         self, trace: Trace, planned: PlannedStep, messages: list[dict[str, str]]
