@@ -219,6 +219,16 @@ class GateConfig(BaseConfig):
     enabled: bool = True
     """Off: every assistant step of every trace is asked (the ungated baseline)."""
 
+    model: Literal["heuristic", "calibrated"] = "heuristic"
+    """``heuristic``: rank by the score above. ``calibrated``: rank by the probability that the
+    teachers disagree with the trace (``teacher/voi.py``): a logistic model with the score as its
+    prior, learned online from the steps' labels (pair = disagreed, confirmed = agreed); with no
+    label yet it equals the score. Either way the calibration of what ranked the steps is logged
+    (``teacher/gate_ece``, ``teacher/gate_brier``)."""
+
+    learning_rate: float = Field(default=0.5, gt=0.0)
+    """SGD step of the ``calibrated`` model per label."""
+
     max_steps_per_trace: int = Field(default=4, ge=1)
     """B: steps asked per trace at most."""
 

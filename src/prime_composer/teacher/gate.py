@@ -204,13 +204,19 @@ def step_features(trace: Trace, cfg: GateConfig, seen: Callable[[str], bool]) ->
     return features
 
 
-def select_steps(features: Sequence[StepFeatures], costs: Sequence[float], cfg: GateConfig) -> list[int]:
-    """Turn indices of the steps to ask, in trace order (see the module docstring)."""
+def select_steps(
+    features: Sequence[StepFeatures],
+    costs: Sequence[float],
+    cfg: GateConfig,
+    scores: Sequence[float] | None = None,
+) -> list[int]:
+    """Turn indices of the steps to ask, in trace order (see the module docstring); ``scores``
+    replace the heuristic's (the calibrated model's probabilities, ``voi.py``)."""
     if not cfg.enabled:
         return [f.turn_index for f in features]
     ranked = []
-    for f, cost in zip(features, costs, strict=True):
-        score = f.score(cfg)
+    for i, (f, cost) in enumerate(zip(features, costs, strict=True)):
+        score = f.score(cfg) if scores is None else scores[i]
         if score >= cfg.min_score:
             ranked.append((-score / max(cost, 1e-12), -score, f.turn_index))
     ranked.sort()
