@@ -103,3 +103,15 @@ def test_the_store_refits_the_model_and_reports_calibration(tmp_path) -> None:
     by_hand.update(features, 0.2, 0)
     by_hand.update(features, 0.6, 1)
     assert refit.weights == by_hand.weights
+
+
+def test_calibrated_scores_rank_but_min_score_stays_the_heuristics() -> None:
+    from prime_composer.teacher.gate import select_steps
+
+    cfg = GateConfig(max_steps_per_trace=1, min_score=0.15)
+    steps = [StepFeatures(i, f"s{i}", 0.9, 1.0, 1.0, 1.0) for i in (1, 3)] + [
+        StepFeatures(5, "s5", 0.0, 0.0, 0.0, 0.0)  # heuristic score 0: never asked
+    ]
+    assert select_steps(steps, [1.0, 1.0, 1.0], cfg) == [1]  # equal heuristic scores: the first
+    # Probabilities near the base rate (all below min_score) still pick one step, ranked by them.
+    assert select_steps(steps, [1.0, 1.0, 1.0], cfg, scores=[0.05, 0.08, 0.99]) == [3]
