@@ -40,7 +40,7 @@ def test_progress_and_report_show_what_they_showed_before() -> None:
         "reward (train samples)", "loss", "entropy", "held-out accuracy", "SDPO loss", "hinted fraction",
         "replay pairs per step", "replay DPO loss", "replay DPO accuracy", "replay DPO margin",
         "replay pair age (steps)", "teacher calls cut off", "replay held-out DPO accuracy",
-        "replay held-out DPO margin", "replay reference drift (per token)",
+        "replay held-out DPO margin", "replay reference drift (per token)", "teacher gate calibration (ECE)",
     }  # fmt: skip
 
 

@@ -208,3 +208,15 @@ def test_the_summary_reports_the_heldout_trend() -> None:
     assert summary(run) == [
         "replay held-out pairs: DPO accuracy 0.25 -> 0.75, margin -0.010 -> 0.200 (2 scorings)"
     ]
+
+
+def test_the_summary_reports_the_gates_calibration() -> None:
+    from prime_composer.channels.replay import summary
+
+    last = {
+        "teacher/spent_usd": 0.5,
+        "teacher/gate_labels": 12,
+        "teacher/gate_ece": 0.125,
+        "teacher/gate_brier": 0.2,
+    }
+    assert "teacher gate: ECE 0.125, Brier 0.200 over 12 labeled steps" in summary({"teacher": [last]})

@@ -83,6 +83,11 @@ def summary(run: dict[str, list[dict[str, Any]]]) -> list[str]:
         }
         if any(bounded.values()):
             lines.append("teacher calls: " + ", ".join(f"{v:.0f} {k}" for k, v in bounded.items()))
+        if last.get("teacher/gate_labels"):
+            lines.append(
+                f"teacher gate: ECE {last.get('teacher/gate_ece', 0.0):.3f}, Brier "
+                f"{last.get('teacher/gate_brier', 0.0):.3f} over {last['teacher/gate_labels']:.0f} labeled steps"
+            )
     return lines
 
 
@@ -112,6 +117,7 @@ SPEC = register_channel(
             Column("replay held-out DPO accuracy", "trainer", ("dpo_heldout/accuracy",)),
             Column("replay held-out DPO margin", "trainer", ("dpo_heldout/margin",)),
             Column("replay reference drift (per token)", "trainer", ("dpo/ref_drift",)),
+            Column("teacher gate calibration (ECE)", "teacher", ("teacher/gate_ece",)),
         ),
         summary=summary,
     )
