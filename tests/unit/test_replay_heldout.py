@@ -25,6 +25,7 @@ from prime_composer.orchestrator.replay.packing import HeldOutPair
 from prime_composer.orchestrator.replay.source import PairSource
 from prime_composer.trainer.losses.base import TermContext, build_terms
 from prime_composer.trainer.step import train_step
+from prime_composer.transport.batch import decode_rank_batch, encode_rank_batch
 from prime_composer.transport.groups import ReplayGroup
 
 
@@ -41,6 +42,8 @@ def test_heldout_pairs_are_scored_with_trls_metrics_and_never_trained_on(model_p
     mbs = pack([*trained, *(HeldOutPair(p) for p in heldout)], micro_batch_size=1)
     flags = [mb.group(ReplayGroup).heldout.tolist() for mb in mbs if mb.group(ReplayGroup) is not None]  # type: ignore[union-attr]
     assert sum(map(sum, flags)) == 2 and sum(map(len, flags)) == 5
+    _, _, decoded = decode_rank_batch(encode_rank_batch(0, 0, mbs))  # the flag crosses the wire
+    assert [g.heldout.tolist() for mb in decoded if (g := mb.group(ReplayGroup)) is not None] == flags
     beta = 0.3
     model = load(model_path)
     terms = build_terms(
