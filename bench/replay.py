@@ -20,20 +20,31 @@ with probability ``agreement`` (else one of a few alternatives, so teachers some
 spurious pair). Answers are a deterministic function of (teacher, state), so the two runs see the
 same teachers; usage is ~4 characters per token.
 
-Both runs use the real ``Replayer`` (plan, cascade, ``TeacherPool``: cache, budget, ledger,
-``teacher.calls``) on a fresh store each, with no budget caps (the gate is measured, not the caps):
+Every run uses the real ``Replayer`` (plan, cascade, ``TeacherPool``: cache, budget, ledger,
+``teacher.calls``) on a fresh store, with no budget caps (the gate is measured, not the caps):
 
-- ``ungated``: ``gate.enabled = false``, ``gate.cascade = false``: every step, every teacher;
-- ``gated``: the gate (``--max-steps-per-trace`` B) and the cascade, with the defaults otherwise.
+- ``all``: ``gate.enabled = false``, ``gate.cascade = false``: every step, every teacher;
+- ``all+cascade``: every step, the cheapest teacher first (the others on disagreement or
+  uncertainty), so the cascade's share of the saving is seen apart from the gate's;
+- ``random+cascade``: B steps per trace drawn at random, with the cascade (the baseline of the gate);
+- ``gate+cascade``: the heuristic gate (B = ``--max-steps-per-trace``) with the cascade;
+- ``calibrated+cascade``: ``gate.model = "calibrated"`` (``teacher/voi.py``), learning online.
 
-A planted step is *recalled* when it becomes a pair whose chosen side is the right action. The
-last line is ``calls_ratio=X cost_ratio=Y recall=Z``: X = ungated / gated calls, Y = ungated /
-gated dollars, Z = gated recall / ungated recall (targets: X >= 3, Y >= 4, Z >= 0.8).
+Variants (``--variants``): ``default``; ``confident`` (mistakes as confident as every other step:
+logprobs carry no signal); ``together`` (the teachers' errors are one draw per state, so a wrong
+majority is unanimous and its pair gets no label smoothing); ``late_test`` (no failing test run
+first: the trace reads before it runs the tests).
+
+Recall and precision are absolute: a planted step is *recalled* when it becomes a pair whose chosen
+side is the right action (over all planted steps); precision is the share of pairs whose chosen
+side is right. ``gate ECE`` is the expected calibration error of the score that ranked the steps
+against their labels (``store.gate_calibration``). The last line is, per variant, the gate's recall
+over random B's (both with the cascade, same B).
 
 Run::
 
     uv run python bench/replay.py
-    uv run python bench/replay.py --num-traces 200 --seed 1
+    uv run python bench/replay.py --num-traces 200 --seed 1 --variants default together
 """
 
 from __future__ import annotations
@@ -52,10 +63,11 @@ from prime_composer.config.teacher import TeacherServiceConfig, TraceSourceConfi
 from prime_composer.inference.local import running_app
 from prime_composer.teacher.budget import Budget
 from prime_composer.teacher.fakes import fake_teacher_app
+from prime_composer.teacher.gate import step_features
 from prime_composer.teacher.pool import TeacherPool
 from prime_composer.teacher.prompts import prompt_hash, teacher_messages
 from prime_composer.teacher.replay import Replayer
-from prime_composer.teacher.store import TeacherStore
+from prime_composer.teacher.store import PlannedStep, TeacherStore
 from prime_composer.teacher.traces import Trace, parse_trace
 
 PRICES = {  # USD per 1M input / output tokens, cheapest last
@@ -108,7 +120,7 @@ def module_text(rng: random.Random, i: int) -> str:
 
 
 def make_trace(
-    i: int, rng: random.Random, plant: str | None, informative: bool
+    i: int, rng: random.Random, plant: str | None, informative: bool, first_fail: bool = True
 ) -> tuple[dict[str, Any], int | None, dict[str, Any] | None]:
     """A trace, the turn index of its planted step and the right action there (None, None)."""
     mod, test = f"pkg{i}/ledger.py", f"pkg{i}/test_ledger.py"
@@ -121,6 +133,8 @@ def make_trace(
         Step(bash(f"cat {mod}"), module_text(rng, i), 0),
         Step(bash(f"grep -n total {test}"), "12:    assert total(2, 3) == 5", 0),
     ]
+    if not first_fail:  # the agent reads before it ever runs the tests
+        del steps[1]
     planted = None
     if plant == "wrong_edit":
         planted = len(steps)
@@ -184,9 +198,14 @@ def _unit(*parts: object) -> float:
 
 
 def oracle_answers(
-    traces: list[Trace], rights: dict[tuple[str, int], dict[str, Any]], instructions: str
+    traces: list[Trace],
+    rights: dict[tuple[str, int], dict[str, Any]],
+    instructions: str,
+    together: bool = False,
 ) -> dict[str, dict[str, dict[str, Any]]]:
-    """``teacher -> prompt hash -> answer``: what each teacher says at each state."""
+    """``teacher -> prompt hash -> answer``: what each teacher says at each state. ``together``:
+    the teachers' errors are one draw per state (all right or all wrong the same way), not one per
+    teacher, so a wrong majority is unanimous."""
     table: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in PRICES}
     for trace in traces:
         for k in trace.step_indices:
@@ -199,18 +218,42 @@ def oracle_answers(
             )
             right = rights.get((trace.trace_id, k))
             for name in PRICES:
-                u = _unit(name, trace.trace_id, k)
-                alternative = ALTERNATIVES[int(_unit("alt", name, trace.trace_id, k) * len(ALTERNATIVES))]
+                who = "all" if together else name
+                u = _unit(who, trace.trace_id, k)
+                alternative = ALTERNATIVES[int(_unit("alt", who, trace.trace_id, k) * len(ALTERNATIVES))]
                 if right is not None:
-                    wrong = own if _unit("agree", name, trace.trace_id, k) < 0.5 else alternative
+                    wrong = own if _unit("agree", who, trace.trace_id, k) < 0.5 else alternative
                     table[name][key] = right if u < ACCURACY[name] else wrong
                 else:
                     table[name][key] = own if u < AGREEMENT else alternative
     return table
 
 
+class RandomReplayer(Replayer):
+    """The random-B baseline: B steps per trace drawn uniformly (seeded by the trace id), with the
+    same cascade, pool, cache and ledger as the gate."""
+
+    def plan(self, trace: Trace) -> list[PlannedStep]:
+        stored = self.store.plan(trace.trace_id)
+        if stored is not None:
+            return stored
+        gate = self.cfg.gate
+        features = step_features(trace, gate, self.store.state_evaluated)
+        turns = [f.turn_index for f in features]
+        chosen = set(random.Random(trace.trace_id).sample(turns, min(gate.max_steps_per_trace, len(turns))))
+        plan = [
+            PlannedStep(f.turn_index, f.state_hash, f.as_dict(), f.score(gate), 0.0, f.turn_index in chosen)
+            for f in features
+        ]
+        self.store.save_plan(trace.trace_id, plan)
+        return plan
+
+
 def run(
-    cfg: TeacherServiceConfig, traces: list[Trace], planted: dict[tuple[str, int], dict[str, Any]]
+    cfg: TeacherServiceConfig,
+    traces: list[Trace],
+    planted: dict[tuple[str, int], dict[str, Any]],
+    replayer: type[Replayer] = Replayer,
 ) -> dict[str, float]:
     store = TeacherStore(cfg.store_path)
     for trace in traces:
@@ -225,7 +268,7 @@ def run(
             expected_output_tokens=cfg.gate.expected_output_tokens,
         )
         try:
-            await Replayer(cfg, store, pool).run_pending()
+            await replayer(cfg, store, pool).run_pending()
         finally:
             await pool.aclose()
 
@@ -241,6 +284,7 @@ def run(
     num_pairs = len(chosen)
     true_pairs = sum(1 for k, c in chosen.items() if right_keys.get(k) == c)
     selected_planted = sum(1 for k in planted if steps[k][1])
+    gate = store.gate_calibration()
     store.close()
     return {
         "calls": len(calls),
@@ -251,6 +295,7 @@ def run(
         "pairs": num_pairs,
         "precision": true_pairs / max(1, num_pairs),
         "seconds": elapsed,
+        "gate_ece": gate["ece"],
     }
 
 
@@ -260,6 +305,79 @@ def _key(action: dict[str, Any]) -> str:
     if "message" in action:
         return Action(message=action["message"]).key
     return Action(calls=(canonical_call(action["tool"], action["arguments"]),)).key
+
+
+VARIANTS = {
+    "default": {},
+    "confident": {"informative": False},  # mistakes as confident as everything else
+    "together": {"together": True},  # teachers wrong together
+    "late_test": {"first_fail": False},  # no failing test run first
+}
+RUNS = ("all", "all+cascade", "random+cascade", "gate+cascade", "calibrated+cascade")
+
+
+def variant_runs(args: argparse.Namespace, variant: str, b: dict[str, int]) -> dict[str, dict[str, float]]:
+    options = VARIANTS[variant]
+    rng = random.Random(args.seed)
+    records, planted = [], {}
+    for i in range(args.num_traces):
+        kind = KINDS[i % len(KINDS)] if rng.random() < args.planted else None
+        record, turn, right = make_trace(
+            i,
+            rng,
+            kind,
+            informative=options.get("informative", True),
+            first_fail=options.get("first_fail", True),
+        )
+        records.append(record)
+        if turn is not None and right is not None:
+            planted[(record["id"], turn)] = right
+    traces = [parse_trace(r, "bench", TraceSourceConfig()) for r in records]
+    probe = TeacherServiceConfig.model_validate({"pool": [{"base_url": "http://x/v1", "model": "m"}]})
+    table = oracle_answers(traces, planted, probe.instructions, together=options.get("together", False))
+    apps = {
+        name: fake_teacher_app(lambda messages, t=table[name]: t[prompt_hash(messages)]) for name in PRICES
+    }
+    gates: dict[str, tuple[dict[str, Any], type[Replayer]]] = {
+        "all": ({"enabled": False, "cascade": False}, Replayer),
+        "all+cascade": ({"enabled": False, "cascade": True}, Replayer),
+        "random+cascade": ({"enabled": True, "cascade": True, **b}, RandomReplayer),
+        "gate+cascade": ({"enabled": True, "cascade": True, **b}, Replayer),
+        "calibrated+cascade": ({"enabled": True, "cascade": True, "model": "calibrated", **b}, Replayer),
+    }
+    results = {}
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(running_app(app)) for name, app in apps.items()}
+        pool = [
+            {"name": n, "base_url": f"{u}/v1", "model": n, "input_usd_per_m": PRICES[n][0], "output_usd_per_m": PRICES[n][1], "max_concurrency": 16, "max_tokens": 256}
+            for n, u in urls.items()
+        ]  # fmt: skip
+        for name in args.runs:
+            gate, replayer = gates[name]
+            with tempfile.TemporaryDirectory() as out:
+                cfg = TeacherServiceConfig.model_validate(
+                    {
+                        "output_dir": out,
+                        "pool": pool,
+                        "gate": gate,
+                        "budget": {"per_trace_usd": None},
+                        "max_concurrent_steps": 32,
+                    }
+                )
+                results[name] = run(cfg, traces, planted, replayer)
+    steps_total = sum(len(t.step_indices) for t in traces)
+    print(f"\nvariant={variant} traces={args.num_traces} steps={steps_total} planted={len(planted)}")
+    print(
+        "| run | steps asked | calls/trace | $/trace | pairs | precision | planted selected | recall | gate ECE |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    n = args.num_traces
+    for name, r in results.items():
+        print(
+            f"| {name} | {r['steps_asked']} | {r['calls'] / n:.2f} | {r['dollars'] / n:.4f} | {r['pairs']} | "
+            f"{r['precision']:.2f} | {r['selected_planted']:.2f} | {r['recall']:.3f} | {r['gate_ece']:.3f} |"
+        )
+    return results
 
 
 def main() -> None:
@@ -273,67 +391,22 @@ def main() -> None:
     parser.add_argument(
         "--max-steps-per-trace", type=int, default=None, help="the gate's B (default: the config's)"
     )
-    parser.add_argument("--no-uncertainty", action="store_true", help="logprobs carry no signal")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-
-    rng = random.Random(args.seed)
-    records, planted = [], {}
-    for i in range(args.num_traces):
-        kind = KINDS[i % len(KINDS)] if rng.random() < args.planted else None
-        record, turn, right = make_trace(i, rng, kind, informative=not args.no_uncertainty)
-        records.append(record)
-        if turn is not None and right is not None:
-            planted[(record["id"], turn)] = right
-    traces = [parse_trace(r, "bench", TraceSourceConfig()) for r in records]
-    probe = TeacherServiceConfig.model_validate({"pool": [{"base_url": "http://x/v1", "model": "m"}]})
-    table = oracle_answers(traces, planted, probe.instructions)
-    apps = {
-        name: fake_teacher_app(lambda messages, t=table[name]: t[prompt_hash(messages)]) for name in PRICES
-    }
+    if "random+cascade" in args.runs and "gate+cascade" not in args.runs:
+        parser.error("--runs: random+cascade is the baseline of gate+cascade; run both")
 
     b = {} if args.max_steps_per_trace is None else {"max_steps_per_trace": args.max_steps_per_trace}
-    results = {}
-    with contextlib.ExitStack() as stack:
-        urls = {name: stack.enter_context(running_app(app)) for name, app in apps.items()}
-        pool = [
-            {"name": n, "base_url": f"{u}/v1", "model": n, "input_usd_per_m": PRICES[n][0], "output_usd_per_m": PRICES[n][1], "max_concurrency": 16, "max_tokens": 256}
-            for n, u in urls.items()
-        ]  # fmt: skip
-        for name, gate in (
-            ("ungated", {"enabled": False, "cascade": False}),
-            ("gated", {"enabled": True, "cascade": True, **b}),
-        ):
-            with tempfile.TemporaryDirectory() as out:
-                cfg = TeacherServiceConfig.model_validate(
-                    {
-                        "output_dir": out,
-                        "pool": pool,
-                        "gate": gate,
-                        "budget": {"per_trace_usd": None},
-                        "max_concurrent_steps": 32,
-                    }
-                )
-                results[name] = run(cfg, traces, planted)
-
-    n = args.num_traces
-    steps_total = sum(len(t.step_indices) for t in traces)
-    print(
-        f"traces={n} steps={steps_total} planted={len(planted)} uncertainty_signal={not args.no_uncertainty}"
-    )
-    print(
-        "| run | steps asked | calls/trace | $/trace | pairs | precision | planted selected | recall | wall s |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, r in results.items():
-        print(
-            f"| {name} | {r['steps_asked']} | {r['calls'] / n:.2f} | {r['dollars'] / n:.4f} | {r['pairs']} | "
-            f"{r['precision']:.2f} | {r['selected_planted']:.2f} | {r['recall']:.3f} | {r['seconds']:.1f} |"
-        )
-    u, g = results["ungated"], results["gated"]
-    print(
-        f"calls_ratio={u['calls'] / g['calls']:.2f} cost_ratio={u['dollars'] / g['dollars']:.2f} recall={g['recall'] / u['recall']:.3f}"
-    )
+    last: list[str] = []
+    for variant in args.variants:
+        results = variant_runs(args, variant, b)
+        if "gate+cascade" in results and "random+cascade" in results:
+            g, r = results["gate+cascade"], results["random+cascade"]
+            last.append(f"{variant}:recall_gate/random={g['recall'] / max(r['recall'], 1e-9):.2f}")
+    # The ratio line: the gate's absolute recall over random B's, both with the cascade and the same B.
+    print(" ".join(last))
 
 
 if __name__ == "__main__":

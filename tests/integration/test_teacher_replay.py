@@ -169,7 +169,11 @@ def test_faulty_teachers_are_ledger_rows_and_good_ones_still_make_pairs(tmp_path
             messages = teacher_messages(parsed, r["turn_index"], cfg.instructions)
             bytes_in = sum(len(m["role"].encode()) + len(m["content"].encode()) + 8 for m in messages)
             worst = (3 * (bytes_in + 64) + 15 * 512) / 1e6
-            assert r["dollars"] == pytest.approx(r["attempts"] * worst, rel=1e-12)
+            # An attempt cut off while still connecting (a loaded machine) costs nothing.
+            charged = r["dollars"] / worst
+            assert charged == pytest.approx(round(charged), abs=1e-9) and 1 <= round(charged) <= r["attempts"]
+            if r["outcome"] == "bad_json":
+                assert round(charged) == r["attempts"]
     paid = [r for r in ledger if r["outcome"] == "ok"]
     assert all(
         r["dollars"] == pytest.approx((3 * r["input_tokens"] + 15 * r["output_tokens"]) / 1e6) for r in paid

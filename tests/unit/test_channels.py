@@ -34,12 +34,13 @@ def test_builtin_specs_match_the_config_sections_and_register_their_terms() -> N
 def test_progress_and_report_show_what_they_showed_before() -> None:
     assert [c.label for c in columns()] == [
         "reward", "eval acc", "loss", "entropy", "sdpo", "hinted", "pairs", "spend $", "agree", "pair age",
-        "tokens/s",
+        "held acc", "tokens/s",
     ]  # fmt: skip
     assert {p.label for p in panels()} == {
         "reward (train samples)", "loss", "entropy", "held-out accuracy", "SDPO loss", "hinted fraction",
         "replay pairs per step", "replay DPO loss", "replay DPO accuracy", "replay DPO margin",
-        "replay pair age (steps)", "teacher calls cut off",
+        "replay pair age (steps)", "teacher calls cut off", "replay held-out DPO accuracy",
+        "replay held-out DPO margin", "replay reference drift (per token)", "teacher gate calibration (ECE)",
     }  # fmt: skip
 
 

@@ -60,6 +60,14 @@ def summary(run: dict[str, list[dict[str, Any]]]) -> list[str]:
             f"replay: {sum(pairs):.0f} pairs in {len(pairs)} steps ({sum(pairs) / len(pairs):.1f} per step, "
             f"{sum(1 for p in pairs if p > 0)} steps with pairs)"
         )
+    held = [r for r in run.get("trainer", []) if r.get("dpo_heldout/accuracy") is not None]
+    if held:
+        first, last = held[0], held[-1]
+        lines.append(
+            f"replay held-out pairs: DPO accuracy {first['dpo_heldout/accuracy']:.2f} -> "
+            f"{last['dpo_heldout/accuracy']:.2f}, margin {first.get('dpo_heldout/margin', 0.0):.3f} -> "
+            f"{last.get('dpo_heldout/margin', 0.0):.3f} ({len(held)} scorings)"
+        )
     teacher = run.get("teacher", [])
     if teacher:
         last = teacher[-1]
@@ -75,6 +83,11 @@ def summary(run: dict[str, list[dict[str, Any]]]) -> list[str]:
         }
         if any(bounded.values()):
             lines.append("teacher calls: " + ", ".join(f"{v:.0f} {k}" for k, v in bounded.items()))
+        if last.get("teacher/gate_labels"):
+            lines.append(
+                f"teacher gate: ECE {last.get('teacher/gate_ece', 0.0):.3f}, Brier "
+                f"{last.get('teacher/gate_brier', 0.0):.3f} over {last['teacher/gate_labels']:.0f} labeled steps"
+            )
     return lines
 
 
@@ -92,6 +105,7 @@ SPEC = register_channel(
             Column("spend $", "teacher", ("teacher/spent_usd",)),  # teacher dollars so far,
             Column("agree", "teacher", ("teacher/agreement_rate",)),  # teacher votes for the policy's action
             Column("pair age", "orchestrator", ("replay/pair_age_max",)),  # steps the oldest pair was ready
+            Column("held acc", "trainer", ("dpo_heldout/accuracy",)),  # DPO accuracy on the held-out pairs
         ),
         panels=(
             Column("replay pairs per step", "orchestrator", ("replay/pairs",)),
@@ -100,6 +114,10 @@ SPEC = register_channel(
             Column("replay DPO accuracy", "trainer", ("dpo/accuracy",)),
             Column("replay DPO margin", "trainer", ("dpo/margin",)),
             Column("teacher calls cut off", "teacher", ("teacher/calls_timeout",)),
+            Column("replay held-out DPO accuracy", "trainer", ("dpo_heldout/accuracy",)),
+            Column("replay held-out DPO margin", "trainer", ("dpo_heldout/margin",)),
+            Column("replay reference drift (per token)", "trainer", ("dpo/ref_drift",)),
+            Column("teacher gate calibration (ECE)", "teacher", ("teacher/gate_ece",)),
         ),
         summary=summary,
     )

@@ -42,8 +42,32 @@ class DPOLossConfig(BaseConfig):
     (``1 - share``, capped by ``teacher.pairs.max_label_smoothing``), instead of ``label_smoothing``.
     Not used by ``ipo``."""
 
+    reference: Literal["stored", "refreshed"] = "stored"
+    """``stored``: the reference sums the teacher service stored with each pair (the initial policy,
+    never updated). ``refreshed``: the trainer keeps a copy of the policy as the reference, scores
+    every pair with it (one more no-grad forward of the pair rows) and moves it toward the policy
+    (TR-DPO, TRL's ``sync_ref_model``): ``ref <- alpha * policy + (1 - alpha) * ref`` every
+    ``ref_sync_steps`` optimizer steps, and after a step whose drift exceeds ``ref_max_drift``."""
+
+    ref_sync_steps: int | None = Field(default=512, ge=1)
+    """Optimizer steps between two refreshes of a ``refreshed`` reference (TRL's
+    ``ref_model_sync_steps``); None: only on drift."""
+
+    ref_mixup_alpha: float = Field(default=0.6, gt=0.0, le=1.0)
+    """How far a refresh moves the reference toward the policy (TRL's ``ref_model_mixup_alpha``;
+    1 copies the policy)."""
+
+    ref_max_drift: float | None = Field(default=None, gt=0.0)
+    """Refresh after a step whose trained pairs' mean per-token ``|log pi - log pi_ref|``
+    (``dpo/ref_drift``, over all ranks) is above this; None: on the schedule only."""
+
     @model_validator(mode="after")
     def _check(self) -> Self:
+        if self.reference == "refreshed" and self.ref_sync_steps is None and self.ref_max_drift is None:
+            raise ValueError(
+                'loss.replay.reference = "refreshed" with ref_sync_steps = None and no ref_max_drift '
+                'never refreshes: set ref_sync_steps or ref_max_drift, or use reference = "stored"'
+            )
         if self.loss_type == "ipo" and self.label_smoothing > 0:
             raise ValueError(
                 f'loss.replay.label_smoothing = {self.label_smoothing} is not used by loss_type = "ipo": '

@@ -44,7 +44,19 @@ class ReplaySourceConfig(BaseConfig):
     """The teacher service's SQLite store; None: ``<output_dir>/teacher/teacher.sqlite``."""
 
     pairs_per_step: int = Field(default=8, ge=1)
-    """Pairs taken per step, oldest first (fewer when fewer are ready; none is reused)."""
+    """Pairs taken per step (fewer when fewer are ready; none is reused), in ``order``."""
+
+    order: Literal["oldest", "newest"] = "oldest"
+    """``oldest``: every pair in turn, oldest first. ``newest``: the ``pairs_per_step`` newest ready
+    pairs; older ones not taken yet are skipped for good (counted in ``replay/pairs_stale``)."""
+
+    heldout_pairs: int = Field(default=0, ge=0)
+    """The first this many ready pairs are a held-out set, never trained on: every
+    ``heldout_every`` steps they ride along in the batch and the trainer logs TRL's DPO metrics on
+    them (``dpo_heldout/accuracy``, ``/margin``, ``/chosen_reward``, ``/rejected_reward``, ``/loss``)."""
+
+    heldout_every: int = Field(default=10, ge=1)
+    """Steps between two scorings of the held-out pairs (step 0 and every multiple)."""
 
     max_pair_age: int | None = Field(default=None, ge=0)
     """Skip pairs that have been ready for more than this many steps (counted in

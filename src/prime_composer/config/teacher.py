@@ -219,6 +219,16 @@ class GateConfig(BaseConfig):
     enabled: bool = True
     """Off: every assistant step of every trace is asked (the ungated baseline)."""
 
+    model: Literal["heuristic", "calibrated"] = "heuristic"
+    """``heuristic``: rank by the score above. ``calibrated``: rank by the probability that the
+    teachers disagree with the trace (``teacher/voi.py``): a logistic model with the score as its
+    prior, learned online from the steps' labels (pair = disagreed, confirmed = agreed); with no
+    label yet it equals the score. Either way the calibration of what ranked the steps is logged
+    (``teacher/gate_ece``, ``teacher/gate_brier``)."""
+
+    learning_rate: float = Field(default=0.5, gt=0.0)
+    """SGD step of the ``calibrated`` model per label."""
+
     max_steps_per_trace: int = Field(default=4, ge=1)
     """B: steps asked per trace at most."""
 
@@ -420,6 +430,22 @@ class PairConfig(BaseConfig):
 
     on_policy: OnPolicyConfig = OnPolicyConfig()
     """Take the chosen side from the student's own samples when one matches the majority."""
+
+    step_dpo: bool = False
+    """Step-DPO: label each trace's selected steps in order and stop at the first one the teachers
+    judge wrong, whose pair (context = the trace up to that step, chosen = the student's own
+    matching sample, rejected = the trace's step) is the trace's only pair; the steps after it are
+    never asked (outcome ``after_error``). Needs ``on_policy.enabled`` and ``on_policy.require_match``
+    (the chosen side is on-policy or there is no pair)."""
+
+    @model_validator(mode="after")
+    def _step_dpo(self) -> Self:
+        if self.step_dpo and not (self.on_policy.enabled and self.on_policy.require_match):
+            raise ValueError(
+                "teacher.pairs.step_dpo = true takes the chosen side from the student's own samples: set "
+                "teacher.pairs.on_policy.enabled = true and teacher.pairs.on_policy.require_match = true"
+            )
+        return self
 
 
 class ReferenceConfig(BaseConfig):

@@ -204,14 +204,22 @@ def step_features(trace: Trace, cfg: GateConfig, seen: Callable[[str], bool]) ->
     return features
 
 
-def select_steps(features: Sequence[StepFeatures], costs: Sequence[float], cfg: GateConfig) -> list[int]:
-    """Turn indices of the steps to ask, in trace order (see the module docstring)."""
+def select_steps(
+    features: Sequence[StepFeatures],
+    costs: Sequence[float],
+    cfg: GateConfig,
+    scores: Sequence[float] | None = None,
+) -> list[int]:
+    """Turn indices of the steps to ask, in trace order (see the module docstring); ``scores``
+    replace the heuristic's in the ranking (the calibrated model's probabilities, ``voi.py``), while
+    ``min_score`` still applies to the heuristic's (a probability near the base rate of
+    disagreement is no reason to skip a step)."""
     if not cfg.enabled:
         return [f.turn_index for f in features]
     ranked = []
-    for f, cost in zip(features, costs, strict=True):
-        score = f.score(cfg)
-        if score >= cfg.min_score:
+    for i, (f, cost) in enumerate(zip(features, costs, strict=True)):
+        score = f.score(cfg) if scores is None else scores[i]
+        if f.score(cfg) >= cfg.min_score:
             ranked.append((-score / max(cost, 1e-12), -score, f.turn_index))
     ranked.sort()
     return sorted(turn_index for _, _, turn_index in ranked[: cfg.max_steps_per_trace])

@@ -36,6 +36,7 @@ from prime_composer.teacher.prompts import student_messages, teacher_messages
 from prime_composer.teacher.reference import ReferenceScorer
 from prime_composer.teacher.store import PairCandidate, PlannedStep, TeacherStore
 from prime_composer.teacher.traces import Trace, read_trace_file, read_verifiers_file
+from prime_composer.teacher.voi import DisagreementModel, label_of
 from prime_composer.teacher.votes import StepLabel, Vote, label_step
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,10 @@ class Replayer:
         self.store = store
         self.pool = pool
         self.student = student
+        self.voi: DisagreementModel | None = None
+        """The calibrated gate's model (``gate.model = "calibrated"``), refit from the stored labels."""
+        if cfg.gate.model == "calibrated":
+            self.voi = DisagreementModel(cfg.gate.learning_rate).fit(store.gate_examples())
         self.stopping = threading.Event()
         """Set (from any thread) to stop starting steps: ``run_pending`` returns once the steps in
         flight are labeled, and the traces it did not finish stay pending for the next pass."""
@@ -103,12 +108,13 @@ class Replayer:
         gate = self.cfg.gate
         features = step_features(trace, gate, self.store.state_evaluated)
         costs = [self._expected_cost(trace, f.turn_index, f.uncertainty) for f in features]
-        selected = set(select_steps(features, costs, gate))
+        views = [f.as_dict() | {"prior": f.score(gate)} for f in features]
+        voi = self.voi
+        scores = [v["prior"] if voi is None else voi.predict(v, v["prior"]) for v in views]
+        selected = set(select_steps(features, costs, gate, scores))
         plan = [
-            PlannedStep(
-                f.turn_index, f.state_hash, f.as_dict(), f.score(gate), cost, f.turn_index in selected
-            )
-            for f, cost in zip(features, costs, strict=True)
+            PlannedStep(f.turn_index, f.state_hash, view, score, cost, f.turn_index in selected)
+            for f, view, score, cost in zip(features, views, scores, costs, strict=True)
         ]
         self.store.save_plan(trace.trace_id, plan)
         return plan
@@ -139,6 +145,8 @@ class Replayer:
             finally:
                 semaphore.release()
 
+        if self.cfg.pairs.step_dpo:
+            return await self._run_first_errors(semaphore)
         async with asyncio.TaskGroup() as group:
             for trace_id in self.store.pending_traces():
                 if self.stopping.is_set():
@@ -158,6 +166,59 @@ class Replayer:
         for trace_id in touched:
             self.store.mark_trace_done(trace_id)
         return num_labeled
+
+    async def _run_first_errors(self, semaphore: asyncio.Semaphore) -> int:
+        """Step-DPO (``pairs.step_dpo``): each trace's selected steps in turn order, one at a time,
+        up to the first the teachers judge wrong (a pair): its context is the trace's prefix, which
+        no labeled step before it found wrong. The later steps are not asked (their contexts hold
+        the error) and are stored as skipped (outcome ``after_error``); so is the rest of a trace
+        after a step the budget refused (its correctness unknown)."""
+        touched: list[str] = []
+        num_labeled = 0
+
+        async def first_error(trace: Trace, plan: dict[int, PlannedStep], steps: list[int]) -> None:
+            nonlocal num_labeled
+            try:
+                for i, turn_index in enumerate(steps):
+                    if self.stopping.is_set():
+                        return
+                    label = await self.label(trace, plan[turn_index])
+                    num_labeled += 1
+                    if label is None or label.outcome == "pair":
+                        for later in steps[i + 1 :]:
+                            self._finish_skipped(trace, later)
+                        break
+                touched.append(trace.trace_id)
+            finally:
+                semaphore.release()
+
+        async with asyncio.TaskGroup() as group:
+            for trace_id in self.store.pending_traces():
+                await semaphore.acquire()
+                if self.stopping.is_set():
+                    semaphore.release()
+                    break
+                trace = self.store.load_trace(trace_id)
+                plan = {p.turn_index: p for p in self.plan(trace)}
+                group.create_task(first_error(trace, plan, self.store.pending_steps(trace_id)))
+        for trace_id in touched:
+            self.store.mark_trace_done(trace_id)
+        return num_labeled
+
+    def _finish_skipped(self, trace: Trace, turn_index: int) -> None:
+        self.store.finish_step(
+            trace.trace_id,
+            turn_index,
+            status="skipped",
+            outcome="after_error",
+            process_reward=None,
+            trace_share=None,
+            best_share=None,
+            num_votes=0,
+            votes=[],
+            cost_usd=0.0,
+            pair=None,
+        )
 
     async def _ask_all(
         self, trace: Trace, planned: PlannedStep, messages: list[dict[str, str]]
@@ -220,6 +281,9 @@ class Replayer:
         )
         if pair is not None and not inserted:
             logger.debug("duplicate pair at %s step %d not stored again", trace.trace_id, turn_index)
+        disagreed = label_of(outcome)
+        if self.voi is not None and disagreed is not None:
+            self.voi.update(planned.features, planned.features.get("prior", planned.score), disagreed)
         return label
 
     def _finish_budget(self, trace: Trace, turn_index: int, answers: list[Answer]) -> None:

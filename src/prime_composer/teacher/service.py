@@ -98,6 +98,8 @@ def _summary(stats: dict[str, Any]) -> dict[str, float]:
         "teacher/steps_confirmed": stats["steps"].get("confirmed", 0),
         "teacher/traces_done": stats["traces"].get("done", 0),
         **{f"teacher/calls_{kind}": stats["calls"].get(kind, 0) for kind in COUNTED_OUTCOMES},
+        # The gate's calibration on the labeled steps (teacher/voi.py): labels, ece, brier.
+        **{f"teacher/gate_{k}": v for k, v in stats.get("gate", {}).items()},
     }
 
 

@@ -561,6 +561,33 @@ class TeacherStore:
         """Every pair row, whatever its status (``PairStore`` hands out the ready ones)."""
         return [dict(r) for r in self._conn.execute("SELECT * FROM pairs ORDER BY pair_id")]
 
+    def _labeled(self) -> list[tuple[dict[str, float], float, int]]:
+        """``(features, score at planning, 1 disagreed / 0 confirmed)`` of the labeled steps, in the
+        order the steps were planned."""
+        from prime_composer.teacher.voi import label_of
+
+        rows = self._conn.execute(
+            "SELECT features, score, outcome FROM steps WHERE status = 'done' ORDER BY rowid"
+        )
+        out = []
+        for r in rows:
+            y = label_of(r["outcome"])
+            if y is not None:
+                out.append((json.loads(r["features"]), float(r["score"]), y))
+        return out
+
+    def gate_examples(self) -> list[tuple[dict[str, float], float, int]]:
+        """The calibrated gate's training examples: ``(features, prior, label)`` per labeled step."""
+        return [(f, float(f.get("prior", score)), y) for f, score, y in self._labeled()]
+
+    def gate_calibration(self) -> dict[str, float]:
+        """Calibration of what ranked the steps (their stored score) against their labels."""
+        from prime_composer.teacher.voi import calibration
+
+        labeled = self._labeled()
+        report = calibration([min(1.0, max(0.0, s)) for _, s, _ in labeled], [y for _, _, y in labeled])
+        return {"labels": report.count, "ece": report.ece, "brier": report.brier}
+
     def spent_by_trace(self) -> dict[str, float]:
         """Dollars per trace in the ledger (calls without a trace under ``""``)."""
         rows = self._conn.execute(
@@ -640,6 +667,7 @@ class TeacherStore:
             "output_tokens": ledger["o"],
             "spent_usd_by_teacher": grouped("SELECT teacher, SUM(dollars) FROM ledger GROUP BY teacher"),
             "import_errors": self._conn.execute("SELECT COUNT(*) FROM import_errors").fetchone()[0],
+            "gate": self.gate_calibration(),
         }
 
 

@@ -84,7 +84,8 @@ class ReplayGroup(BatchGroup):
     ``side_mask`` marks the tokens of the two sides (the ones the policy's log-probability is summed
     over), ``pair_ids`` says which pair (0..P-1 in this micro-batch) a side token belongs to,
     ``is_chosen`` which side, and ``ref_logprobs`` holds the reference model's logprob of each side
-    token (computed once by the teacher service). ``label_smoothing`` is per pair, ``[P]``.
+    token (computed once by the teacher service). ``label_smoothing`` is per pair, ``[P]``, and so
+    is ``heldout``: pairs of the held-out set, scored for metrics and never trained on.
     """
 
     name: ClassVar[str] = "replay"
@@ -96,6 +97,7 @@ class ReplayGroup(BatchGroup):
         "is_chosen": torch.bool,
         "ref_logprobs": torch.float32,
         "label_smoothing": torch.float32,
+        "heldout": torch.bool,
     }
 
     input_ids: torch.Tensor
@@ -105,6 +107,7 @@ class ReplayGroup(BatchGroup):
     is_chosen: torch.Tensor
     ref_logprobs: torch.Tensor
     label_smoothing: torch.Tensor
+    heldout: torch.Tensor
 
     @property
     def num_pairs(self) -> int:
@@ -122,6 +125,8 @@ class ReplayGroup(BatchGroup):
         num_pairs = self.num_pairs
         if self.label_smoothing.dim() != 1 or num_pairs < 1:
             raise BatchFormatError("replay.label_smoothing must be [P] with P >= 1 pairs")
+        if self.heldout.shape != self.label_smoothing.shape:
+            raise BatchFormatError("replay.heldout must be [P], one flag per pair like label_smoothing")
         if bool((self.side_mask != (self.pair_ids >= 0)).any()):
             raise BatchFormatError("replay.pair_ids must be set exactly on the side_mask tokens")
         if bool((self.side_mask & (self.position_ids == 0)).any()):
