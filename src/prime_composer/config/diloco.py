@@ -245,6 +245,13 @@ class DilocoConfig(BaseConfig):
     """How long after a fragment's sync starts its peers' payloads are waited for. A DC whose
     payload is not in by then is left out of that round (and applies the others' result)."""
 
+    dead_after_rounds: int = Field(default=3, ge=1)
+    """A peer that sent no payload in this many rounds in a row is no longer waited for: the
+    coordinator commits once the others are in instead of waiting ``round_deadline_s`` every round
+    for it (a DC behind the relay that is down still has a relay that answers for it). Its payload
+    is still taken when it is in before the others', and once it has posted again (this round or,
+    late, the previous one) it is waited for again (``diloco/num_dead_peers``)."""
+
     min_clusters: int = Field(default=1, ge=1)
     """Fewest DCs (this one included) whose contributions make an outer step; a round with fewer
     leaves the global fragment as it was."""
