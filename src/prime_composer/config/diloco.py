@@ -254,7 +254,9 @@ class DilocoConfig(BaseConfig):
 
     min_clusters: int = Field(default=1, ge=1)
     """Fewest DCs (this one included) whose contributions make an outer step; a round with fewer
-    leaves the global fragment as it was."""
+    leaves the global fragment as it was. A commit naming fewer (but not none) is rejected
+    (``too_few_members``), so with 2 or more a coordinator cannot commit a round whose only member
+    is itself. Set it alike on every DC."""
 
     secret_env: str | None = None
     """Name of the environment variable holding the run's shared secret. Every payload is

@@ -29,8 +29,9 @@ the largest size a valid payload of the fragment can have (``payload.max_payload
 to ``Store.fetch`` and checked again by ``decode``); every payload is verified (signature, run,
 sender, round, fragment, layout, settings); a grad's values must be finite after dequantization
 and its token count an integer in bounds (``payload.parse_grad``); a commit must name distinct DCs
-of the run (``payload.check_commit``). A rejected payload is fetched once and counted once per
-round and sender: its sender is out of that round (``_rejected``). The committed members are then
+of the run, at least ``min_clusters`` of them unless none (``payload.check_commit``). A rejected
+payload is fetched once and counted once per round and sender: its sender is out of that round
+(``_rejected``). The committed members are then
 combined by ``aggregate.py`` (weights, norm clipping, mean or trimmed mean), and an outer step
 whose result is not finite is skipped (every DC skips it alike).
 """
@@ -156,7 +157,7 @@ class Exchange:
         try:
             header, body = decode(data, self.secret, expect, max_bytes)
             if kind == "commit":
-                check_commit(header, self.cfg.cluster_ids)
+                check_commit(header, self.cfg.cluster_ids, self.cfg.min_clusters)
             return header, body
         except PayloadError as e:
             self._reject(e.reason, data, cluster, kind, round_, e)
