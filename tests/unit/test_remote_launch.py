@@ -34,13 +34,17 @@ class _Health(BaseHTTPRequestHandler):
         pass
 
 
-def _config(tmp_path: Path, worker_port: int, **launch: Any) -> RLConfig:
+def _config(
+    tmp_path: Path, worker_port: int, origin: dict[str, Any] | None = None, **launch: Any
+) -> RLConfig:
     return RLConfig.model_validate(
         {
             "output_dir": tmp_path / "run",
             "launch": {"remote_inference": True, **launch},
             "orchestrator": {"base_url": f"http://127.0.0.1:{worker_port}/v1"},
-            "transport": {"weights_origin": {"enabled": True, "secret_env": "TEST_WEIGHTS_SECRET"}},
+            "transport": {
+                "weights_origin": {"enabled": True, "secret_env": "TEST_WEIGHTS_SECRET", **(origin or {})}
+            },
         }
     )
 
@@ -129,3 +133,29 @@ def test_what_cannot_work_with_remote_workers_is_refused_before_anything_starts(
     )
     with pytest.raises(ConfigError, match=r"serve other machines.*inference\.secret_env"):
         remote.worker_config(off, "https://10.0.0.1:7000@sha256:" + "0" * 64)
+
+
+def test_a_given_certificate_is_served_and_its_pin_written_into_the_worker_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prime_composer.wire.tls import generate
+
+    monkeypatch.setenv("TEST_WEIGHTS_SECRET", SECRET)
+    pin = generate(tmp_path / "tls", "weights-origin")
+    worker = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=worker.serve_forever, daemon=True).start()
+    tls = {"tls_cert": tmp_path / "tls" / "cert.pem", "tls_key": tmp_path / "tls" / "key.pem"}
+    config = _config(tmp_path, worker.server_address[1], tls)
+    origin = remote.start_weights_origin(config)
+    try:
+        assert origin is not None
+        written = json.loads((tmp_path / "run" / "configs" / remote.WORKER_CONFIG).read_text())
+        assert written["weights_origin"] == f"https://127.0.0.1:{origin.port}@{pin}"
+        url, _, fingerprint = written["weights_origin"].partition("@")
+        assert latest_step(url, fingerprint, SECRET.encode()) is None  # pinned TLS, signed
+        with pytest.raises(Exception, match=r"(?i)pin|fingerprint|certificate"):
+            latest_step(url, "sha256:" + "ab" * 32, SECRET.encode())
+    finally:
+        if origin is not None:
+            origin.close()
+        worker.shutdown()
