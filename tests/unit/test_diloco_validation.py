@@ -186,6 +186,60 @@ def test_hostile_payload_is_rejected_and_the_round_averages_the_honest_dcs(
         assert exchange.rejected == Counter({reason: 1}), name
 
 
+@pytest.mark.parametrize("min_clusters", [1, 2])
+def test_a_coordinator_committing_alone_is_refused_from_min_clusters_2(min_clusters: int) -> None:
+    """dc-z, first candidate of the round, publishes a valid grad and a commit naming itself
+    alone. With ``min_clusters = 1`` every DC applies it (the documented limit); with 2 the honest
+    DCs reject it (``too_few_members``), dc-a commits on failover with all three members, and the
+    weights are the float64 mean of the three contributions."""
+    import hashlib
+
+    theta, honest = _inputs()
+    lone = torch.full((NUMEL,), 0.01)
+    z = _hostile_exchange(quantization="none", min_clusters=min_clusters)
+    grad = _grad(z, theta, lone)
+    commit = z.header(
+        "commit",
+        0,
+        0,
+        base_digest=tensor_digest(theta),
+        members=[["dc-z", hashlib.sha256(grad).hexdigest(), 100]],
+        next_candidates=["dc-z"],
+    )
+    board = Board()
+    board.items[("dc-z", "grad", 0)] = grad
+    board.items[("dc-z", "commit", 0)] = encode(commit, b"", SECRET)
+    stores = [MemoryStore(board, c) for c in CLUSTERS[:2]]
+    exchanges = [
+        Exchange(_config(c, quantization="none", min_clusters=min_clusters), s, SECRET, ["layout"])
+        for c, s in zip(CLUSTERS[:2], stores, strict=True)
+    ]
+    payloads = [_grad(e, theta, g) for e, g in zip(exchanges, honest, strict=True)]
+    candidates = ["dc-z", "dc-a", "dc-b"]  # dc-z coordinates this round
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(e.run_round, 0, 0, p, theta, torch.zeros_like(theta), candidates)
+            for e, p in zip(exchanges, payloads, strict=True)
+        ]
+        results = [f.result(timeout=60) for f in futures]
+    if min_clusters == 1:
+        expected = _reference(theta, [(1.0, lone.double().numpy())])
+        members = ["dc-z"]
+    else:
+        expected = _reference(theta, [(1.0, g.double().numpy()) for g in [*honest, lone]])
+        members = ["dc-a", "dc-b", "dc-z"]
+        for exchange in exchanges:
+            assert exchange.rejected == Counter({"too_few_members": 1})
+        assert {r.committer for r in results} == {"dc-a"}
+    a, b = results
+    assert a.status == b.status == "applied" and a.members == b.members == members
+    assert a.theta is not None and b.theta is not None and torch.equal(a.theta, b.theta)
+    np.testing.assert_allclose(a.theta.double().numpy(), expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(PayloadError, match="too_few_members"):
+        check_commit(commit, CLUSTERS, 2)
+    check_commit(commit | {"members": []}, CLUSTERS, 2)  # no step at all stays allowed
+
+
 def test_finite_3e38_pseudo_gradient_is_clipped_to_ten_times_the_others_median_norm() -> None:
     theta, honest = _inputs()
     huge = torch.full((NUMEL,), 3e38)

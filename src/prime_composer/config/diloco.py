@@ -245,9 +245,18 @@ class DilocoConfig(BaseConfig):
     """How long after a fragment's sync starts its peers' payloads are waited for. A DC whose
     payload is not in by then is left out of that round (and applies the others' result)."""
 
+    dead_after_rounds: int = Field(default=3, ge=1)
+    """A peer that sent no payload in this many rounds in a row is no longer waited for: the
+    coordinator commits once the others are in instead of waiting ``round_deadline_s`` every round
+    for it (a DC behind the relay that is down still has a relay that answers for it). Its payload
+    is still taken when it is in before the others', and once it has posted again (this round or,
+    late, the previous one) it is waited for again (``diloco/num_dead_peers``)."""
+
     min_clusters: int = Field(default=1, ge=1)
     """Fewest DCs (this one included) whose contributions make an outer step; a round with fewer
-    leaves the global fragment as it was."""
+    leaves the global fragment as it was. A commit naming fewer (but not none) is rejected
+    (``too_few_members``), so with 2 or more a coordinator cannot commit a round whose only member
+    is itself. Set it alike on every DC."""
 
     secret_env: str | None = None
     """Name of the environment variable holding the run's shared secret. Every payload is
@@ -297,17 +306,26 @@ class DilocoConfig(BaseConfig):
     config whose origin binds a non-loopback address without ``tls_cert``, lists a non-loopback
     ``http://`` peer URL, or runs ``torchft`` off loopback is refused. Requests are signed either way."""
 
-    relay: str | None = None
+    relay: str | list[str] | None = None
     """A relay every DC of the run reaches (``python -m prime_composer.diloco.relay serve``), for
     DCs with no inbound port: ``"host:port@sha256:<fingerprint>"`` (HTTPS, its certificate
     pinned) or ``"http://host:port"`` (loopback or ``private_network`` only). Set, this DC
     publishes every payload to it too (sealed: the relay can neither read, forge nor alter one),
-    and fetches from it the payloads of each peer listed without ``urls``."""
+    and fetches from it the payloads of each peer listed without ``urls``. A list of relays:
+    failover; every payload goes to all of them, and listings and fetches ask the one that
+    answered last first, then the others in order (list them in the same order on every DC)."""
 
     auth_window_s: float = Field(default=120.0, gt=0, le=3600)
     """Replay window of signed requests: one whose timestamp is further than this from the
     receiver's clock is refused, and nonces are remembered for twice as long. Keep DC clocks in
     sync (NTP) to well within it."""
+
+    @property
+    def relays(self) -> list[str]:
+        """``relay`` as a list (empty without one)."""
+        if self.relay is None:
+            return []
+        return [self.relay] if isinstance(self.relay, str) else list(self.relay)
 
     @property
     def steps_per_fragment(self) -> int:
@@ -386,12 +404,14 @@ class DilocoConfig(BaseConfig):
                 "diloco.tls_cert and diloco.tls_key go together: set both (from `python -m "
                 "prime_composer.wire.tls --out DIR`) or neither"
             )
-        if self.relay is not None:
-            url, _ = parse_relay(self.relay)
+        if self.relay is not None and not self.relays:
+            raise ValueError("diloco.relay = []: list at least one relay, or leave it out")
+        for relay in self.relays:
+            url, _ = parse_relay(relay)
             host = urlsplit(url).hostname or ""
             if url.startswith("http://") and not is_loopback(host) and not self.private_network:
                 raise ValueError(
-                    f"diloco.relay = {self.relay!r} is plain HTTP to another machine: use "
+                    f"diloco.relay = {relay!r} is plain HTTP to another machine: use "
                     "'host:port@sha256:<fingerprint>' (the relay serves --tls-cert), or set "
                     "diloco.private_network = true if the link is already private (VPN)"
                 )

@@ -8,7 +8,8 @@ with different global weights. The agreement here is a per-round commit by a coo
    global fragment it was computed from, ``base_digest``) and downloads its peers';
 2. the coordinator is the first of the round's *candidates* (the members of the previous commit,
    sorted; all DCs at the start) that is alive. It waits until every peer whose origin answers
-   has sent its payload, or ``round_deadline_s``, and publishes a ``commit``: the ordered members
+   has sent its payload (but those that sent none in ``dead_after_rounds`` rounds in a row, until
+   they post again), or ``round_deadline_s``, and publishes a ``commit``: the ordered members
    (cluster, payload digest, tokens) whose ``base_digest`` equals its own, and the next round's
    candidates. A late DC is simply not a member. Candidate ``j`` commits after
    ``(j + 1) * round_deadline_s`` if no earlier candidate has (failover); a DC that is not a
@@ -28,8 +29,9 @@ the largest size a valid payload of the fragment can have (``payload.max_payload
 to ``Store.fetch`` and checked again by ``decode``); every payload is verified (signature, run,
 sender, round, fragment, layout, settings); a grad's values must be finite after dequantization
 and its token count an integer in bounds (``payload.parse_grad``); a commit must name distinct DCs
-of the run (``payload.check_commit``). A rejected payload is fetched once and counted once per
-round and sender: its sender is out of that round (``_rejected``). The committed members are then
+of the run, at least ``min_clusters`` of them unless none (``payload.check_commit``). A rejected
+payload is fetched once and counted once per round and sender: its sender is out of that round
+(``_rejected``). The committed members are then
 combined by ``aggregate.py`` (weights, norm clipping, mean or trimmed mean), and an outer step
 whose result is not finite is skipped (every DC skips it alike).
 """
@@ -102,6 +104,8 @@ class Exchange:
         self._rejected: dict[tuple[int, str, str], str] = {}
         """``(round, cluster, kind)`` -> SHA-256 of the payload rejected (fetched once a round)."""
         self._attempts: Counter[tuple[int, str]] = Counter()
+        self._missed: Counter[str] = Counter()
+        """Rounds in a row each peer sent no payload in; ``dead_after_rounds`` of them: not waited for."""
 
     # --------------------------------------------------------------------------------- payloads
 
@@ -153,7 +157,7 @@ class Exchange:
         try:
             header, body = decode(data, self.secret, expect, max_bytes)
             if kind == "commit":
-                check_commit(header, self.cfg.cluster_ids)
+                check_commit(header, self.cfg.cluster_ids, self.cfg.min_clusters)
             return header, body
         except PayloadError as e:
             self._reject(e.reason, data, cluster, kind, round_, e)
@@ -215,7 +219,9 @@ class Exchange:
             commit = self._find_commit(round_, fragment, watch, theta.numel())
             if commit is not None:
                 break
-            waiting_for = [c for c in alive if c not in got and not self._left_out(round_, c)]
+            waiting_for = [
+                c for c in alive if c not in got and not self._left_out(round_, c) and not self._dead(c)
+            ]
             if (my_index == 0 and not waiting_for) or elapsed >= (my_index + 1) * deadline:
                 commit = self._commit_header(round_, fragment, got, base_digest, candidates)
                 self.store.publish("commit", round_, encode(commit, b"", self.secret))
@@ -224,7 +230,13 @@ class Exchange:
                 logger.warning("diloco: no commit for round %d after %.0f s", round_, elapsed)
                 return RoundResult(round_, fragment, "diverged", metrics=self._metrics(t0, got))
             time.sleep(self.cfg.poll_interval_s)
+        for cluster in self.peers:
+            self._missed[cluster] = 0 if cluster in got else self._missed[cluster] + 1
         return self._finish(round_, fragment, commit, got, theta, momentum, base_digest, t0)
+
+    def _dead(self, cluster: str) -> bool:
+        """``cluster`` sent nothing in the last ``dead_after_rounds`` rounds: not waited for."""
+        return self._missed[cluster] >= self.cfg.dead_after_rounds
 
     def _left_out(self, round_: int, cluster: str) -> bool:
         """``cluster``'s grad of ``round_`` was rejected, or failed to download too often."""
@@ -246,6 +258,8 @@ class Exchange:
             if listed is None:
                 continue
             alive.append(cluster)
+            if ("grad", round_) in listed or ("grad", round_ - 1) in listed:
+                self._missed[cluster] = 0  # posting again (the last round's came late): wait for it
             if ("grad", round_) in listed:
                 data = self.store.fetch(
                     cluster,
@@ -388,6 +402,7 @@ class Exchange:
         return {
             "diloco/round_s": time.monotonic() - t0,
             "diloco/num_received": float(len(set(got) - {self.me})),
+            "diloco/num_dead_peers": float(sum(self._dead(c) for c in self.peers)),
             **{f"diloco/rejected/{k}": float(v) for k, v in self.rejected.items()},
         }
 

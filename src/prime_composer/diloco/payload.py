@@ -205,9 +205,12 @@ def parse_grad(header: dict[str, Any], body: bytes, digest: str, max_num_tokens:
 COMMIT_DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 
-def check_commit(header: dict[str, Any], cluster_ids: list[str]) -> None:
+def check_commit(header: dict[str, Any], cluster_ids: list[str], min_members: int = 1) -> None:
     """A verified ``commit`` header is well formed: ``members`` lists distinct DCs of the run as
-    ``[cluster, sha256, num_tokens]``, ``next_candidates`` DCs of the run; else ``malformed``."""
+    ``[cluster, sha256, num_tokens]``, ``next_candidates`` DCs of the run; else ``malformed``.
+    A commit with members must have at least ``min_members`` (``diloco.min_clusters``), else
+    ``too_few_members``: with ``min_clusters >= 2`` a coordinator cannot apply its own
+    pseudo-gradient alone (a commit with none, no outer step, is allowed)."""
     members, candidates = header.get("members"), header.get("next_candidates")
     ok = isinstance(header.get("base_digest"), str) and isinstance(members, list)
     ok = ok and isinstance(candidates, list) and all(c in cluster_ids for c in candidates)
@@ -219,6 +222,11 @@ def check_commit(header: dict[str, Any], cluster_ids: list[str]) -> None:
         ok = ok and len({m[0] for m in members}) == len(members)
     if not ok:
         raise PayloadError("malformed", "commit members or candidates are not DCs of this run")
+    assert isinstance(members, list)
+    if 0 < len(members) < min_members:
+        raise PayloadError(
+            "too_few_members", f"the commit has {len(members)} member(s), below min_clusters = {min_members}"
+        )
 
 
 def tensor_digest(x: torch.Tensor) -> str:

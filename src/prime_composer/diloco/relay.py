@@ -371,6 +371,80 @@ class RelayClient:
         return payload
 
 
+class RelayGroup:
+    """Several relays (``diloco.relay`` a list) used as one ``RelayClient``, for failover: every
+    payload is published to all of them at once (``publish`` returns once one has it; the others
+    finish in the background), and listings and fetches ask the relay that answered last first,
+    then the others in order, so a relay that is down costs one failed call, not every call."""
+
+    def __init__(self, clients: list[RelayClient]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.clients = clients
+        self._first = 0
+        self._pool = ThreadPoolExecutor(max_workers=2 * len(clients), thread_name_prefix="relay-publish")
+
+    @property
+    def errors(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for client in self.clients:
+            for reason, n in client.errors.items():
+                total[reason] = total.get(reason, 0) + n
+        return total
+
+    @property
+    def refused(self) -> set[str]:
+        return set().union(*(c.refused for c in self.clients))
+
+    def _in_turn(self) -> list[tuple[int, RelayClient]]:
+        order = list(enumerate(self.clients))
+        return order[self._first :] + order[: self._first]
+
+    def publish(self, cluster: str, kind: str, round_: int, payload: bytes, timeout_s: float) -> bool:
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        pending = {
+            self._pool.submit(c.publish, cluster, kind, round_, payload, timeout_s) for c in self.clients
+        }
+        while pending:
+            done, pending = wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+            if not done or any(f.result() for f in done):
+                return bool(done)
+        return False
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def listing(self, cluster: str, timeout_s: float) -> dict[tuple[str, int], str] | None:
+        deadline = time.monotonic() + timeout_s
+        for i, client in self._in_turn():
+            listed = client.listing(cluster, max(0.1, deadline - time.monotonic()))
+            if listed is not None:
+                self._first = i
+                return listed
+        return None
+
+    def fetch(
+        self,
+        cluster: str,
+        kind: str,
+        round_: int,
+        timeout_s: float,
+        max_bytes: int,
+        digest: str | None = None,
+    ) -> bytes | None:
+        deadline = time.monotonic() + timeout_s
+        for i, client in self._in_turn():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            payload = client.fetch(cluster, kind, round_, left, max_bytes, digest)
+            if payload is not None:
+                self._first = i
+                return payload
+        return None
+
+
 # -------------------------------------------------------------------------------------- command
 
 

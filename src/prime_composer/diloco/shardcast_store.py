@@ -61,7 +61,7 @@ from shardcast.utils import compute_checksum, get_shard_count, get_shard_filenam
 
 from prime_composer.config.diloco import parse_relay
 from prime_composer.diloco.payload import Kind
-from prime_composer.diloco.relay import RelayClient
+from prime_composer.diloco.relay import RelayClient, RelayGroup
 from prime_composer.io import atomic_write_bytes
 from prime_composer.netaddr import is_loopback
 from prime_composer.wire.auth import AUTH_HEADER, Verifier, transport_key
@@ -374,7 +374,7 @@ class ShardcastStore:
         cluster_id: str | None = None,
         tls: ssl.SSLContext | None = None,
         window_s: float = 120.0,
-        relay: RelayClient | None = None,
+        relay: RelayClient | RelayGroup | None = None,
         publish_timeout_s: float = 60.0,
     ) -> None:
         self.directory = Path(directory)
@@ -421,9 +421,10 @@ class ShardcastStore:
         tls = None
         if cfg.tls_cert is not None and cfg.tls_key is not None:
             tls = server_context(cfg.tls_cert, cfg.tls_key)
-        relay = None
-        if cfg.relay is not None and secret:
-            relay = RelayClient(*parse_relay(cfg.relay), secret)
+        relay: RelayClient | RelayGroup | None = None
+        if cfg.relays and secret:
+            clients = [RelayClient(*parse_relay(r), secret) for r in cfg.relays]
+            relay = clients[0] if len(clients) == 1 else RelayGroup(clients)
         return cls(
             work_dir,
             cfg.host,
@@ -553,5 +554,7 @@ class ShardcastStore:
 
     def close(self) -> None:
         self.origin.close()
+        if isinstance(self.relay, RelayGroup):
+            self.relay.close()
         for d in self._downloaders.values():
             d.close()

@@ -39,7 +39,7 @@ from prime_composer.config.resolve import (
 )
 from prime_composer.config.rl import RLConfig, split_endpoint
 from prime_composer.io import atomic_write_text
-from prime_composer.launch import teachers
+from prime_composer.launch import remote, teachers
 from prime_composer.launch.launcher import Launcher, LaunchResult
 from prime_composer.launch.preflight import preflight
 from prime_composer.launch.process import ProcessSpec
@@ -388,6 +388,7 @@ def _run_stages(
     config: RLConfig, argv: Sequence[str], paths: dict[str, Path], track: Callable[..., None] | None
 ) -> int:
     """The warm-up (if any), then RL; ``track`` is called with the progress display."""
+    remote.check(config)  # [transport.weights_origin]: refused before the warm-up, not after it
     output_dir = config.output_dir
     resuming = config.ckpt.resume or config.ckpt.resume_step is not None
     launch_kwargs: dict[str, Any] = {
@@ -422,6 +423,7 @@ def _run_stages(
     if teacher_servers:
         paths = write_resolved_configs(config)
 
+    origin = remote.start_weights_origin(config)  # remote inference workers' weights (launch/remote.py)
     progress = Progress(output_dir / "metrics", config.max_steps, live=config.launch.progress)
 
     def tick(statuses: dict[str, str]) -> None:
@@ -436,6 +438,8 @@ def _run_stages(
         result = launcher.run()
     finally:
         progress.close()
+        if origin is not None:
+            origin.close()
     if result.exit_code != 0:
         print(f"rl: run stopped ({result.reason}).{_resume_hint(config, argv, result)}", flush=True)
         return result.exit_code

@@ -254,7 +254,7 @@ def fetch_step(
         raise RemoteWeightsError(f"{url}: the manifest of step {step} is malformed") from None
     if sum(size for size, _ in entries.values()) > max_bytes:
         raise RemoteWeightsError(f"{url}: step {step} lists more than {max_bytes} bytes")
-    root = Path(root)
+    root = Path(root).resolve()  # an absolute path back (a relative output_dir is the worker's cwd's)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".fetch-step_{step}-", dir=root))
     try:
