@@ -2,7 +2,7 @@
 ``--force`` (a user's file in it survives), ``--force`` leaves no stale file of the old model (a
 sharded index next to the new weights), a model directory with a flipped byte is refused naming the
 file, and a target under a regular file, on a read-only mount or on a full disk is a one-line error
-that leaves the target as it was."""
+that leaves the target as it was; `eval` of a damaged model directory is refused the same way."""
 
 from __future__ import annotations
 
@@ -114,3 +114,29 @@ def test_a_read_only_or_full_filesystem_is_a_one_line_error(run, tmp_path: Path,
         assert not list(disk.iterdir()), "the failed export left files behind"
     finally:
         subprocess.run(["umount", str(disk)])
+
+
+def test_eval_refuses_a_damaged_model_directory(run, tmp_path: Path) -> None:
+    """``eval --checkpoint`` on a model directory with a flipped byte stops with one line naming the
+    file, before any server is started (it served the damaged weights before)."""
+    from prime_composer.config.errors import ConfigError
+    from prime_composer.config.evaluate import EvalRunConfig
+    from prime_composer.eval.main import model_directory
+
+    good = tmp_path / "good"
+    assert _export(run, good) == 0
+    weights = good / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    weights.write_bytes(bytes(data))
+    output_dir = run[1]
+    eval_config = EvalRunConfig.model_validate(
+        {
+            "model": {"name": "builtin:tiny-qwen3"},
+            "output_dir": str(output_dir),
+            "checkpoint": str(good),
+            "orchestrator": {"env": [{"id": "arith"}]},
+        }
+    )
+    with pytest.raises(ConfigError, match=r"model\.safetensors"):
+        model_directory(eval_config, tmp_path / "results")

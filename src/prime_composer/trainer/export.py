@@ -202,6 +202,8 @@ def to_hf_directory(checkpoint: Path, base: ModelConfig, out: Path) -> Path:
     run trained, which also gives the architecture a trainer checkpoint is loaded into). A LoRA
     adapter or a LoRA run's checkpoint is merged into ``base``'s weights."""
     kind = checkpoint_kind(checkpoint)
+    if kind == "hf":  # served or copied as it is: its files are checked first
+        _verify_model_directory(Path(checkpoint))
     if kind in ("hf", "weights"):
         check_model_config(Path(checkpoint), base)
     if kind == "hf":
@@ -384,8 +386,7 @@ def export_checkpoint(config: Any) -> Path:
     try:
         model_dir = staging / "model"
         if kind == "hf":
-            _verify_model_directory(Path(checkpoint))
-            check_model_config(Path(checkpoint), config.model)
+            to_hf_directory(checkpoint, config.model, model_dir)  # checks it: architecture, files
             shutil.copytree(checkpoint, model_dir)
         else:
             path = to_hf_directory(checkpoint, config.model, model_dir)
