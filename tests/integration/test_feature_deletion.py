@@ -548,6 +548,57 @@ def test_the_scan_reads_bytecode_and_archives_in_archives(vendored: Vendored, tm
     assert f"{planted / 'outer.zip'}!wheels/inner.whl!pkg/more.py" in paths
 
 
+PIP_WHEELS = sorted(BUNDLED[-1].parent.glob("pip-*.whl")) if BUNDLED else []
+"""pip's wheel beside setuptools'; it vendors ``packaging`` and ``tomli`` (among 20 more)."""
+
+
+@pytest.mark.skipif(not PIP_WHEELS, reason="the base interpreter ships no ensurepip pip wheel")
+def test_the_scan_finds_packaging_and_tomli_inside_pips_wheel(vendored: Vendored, tmp_path: Path) -> None:
+    # packaging and tomli cannot be corpus projects here (pytest needs packaging in the test venv;
+    # tomli is the standard library's tomllib), but what a task would delete of them must be found
+    # in the wheel pip ships with the interpreter, which the sandbox shows.
+    import zipfile
+
+    from feature_deletion import visibility
+    from feature_deletion.spec import ProjectSpec
+
+    wheel = PIP_WHEELS[-1]
+    fingerprints = []
+    with zipfile.ZipFile(wheel) as archive:
+        for name in ("packaging", "tomli"):
+            source, tree = tmp_path / f"{name}-src", tmp_path / f"{name}-tree"
+            (source / name).mkdir(parents=True)
+            (source / "tests").mkdir()
+            (source / "tests" / f"test_{name}.py").write_text("def test_nothing():\n    pass\n")
+            members = [m for m in archive.namelist() if m.startswith(f"pip/_vendor/{name}/")]
+            assert any(m.endswith(".py") for m in members), (wheel, name)
+            for member in members:
+                if member.endswith(".py"):
+                    (source / name / Path(member).name).write_bytes(archive.read(member))
+            spec = ProjectSpec(
+                name=name,
+                version="vendored",
+                licence="MIT",
+                kind="pip's copy",
+                packages=[name],
+                tests=["tests"],
+            )
+            corpus.make_tree(spec, source, tree)
+            fingerprints.append(corpus.fingerprint(spec, tree))
+    # Not the vendored project's hide list: it hides the folder of both wheels. The scan reports
+    # 100 copies per project; a machine with more (the cloud SDK of the development machines holds
+    # many of packaging) has those folders hidden for a second scan, so the wheel's are reported.
+    hide: list[Path] = []
+    for _ in range(2):
+        with open_sandbox(vendored.store, [*HIDDEN, *hide]) as sandbox:
+            found = visibility.scan(sandbox, fingerprints, Limits().scan())
+        others = [f for fp in fingerprints for f in found[fp["slug"]] if not f.startswith(f"{wheel}!")]
+        hide += [p for p in _hide_for(others) if p != wheel.parent]
+    for fp, name in zip(fingerprints, ("packaging", "tomli"), strict=True):
+        inside = [f for f in found[fp["slug"]] if f.startswith(f"{wheel}!pip/_vendor/{name}/")]
+        assert inside, (name, found[fp["slug"]])
+
+
 def test_the_stored_hide_list_holds_at_episode_start(vendored: Vendored) -> None:
     task_id = vendored.tasks[0].id
     with FeatureDeletion(vendored.store, "vendored", hidden_paths=HIDDEN) as env:  # no hide list named

@@ -281,3 +281,29 @@ def test_a_python_environment_under_tmp_is_bound_in(tmp_path: Path) -> None:
             assert "Read-only file system" in write.stderr and (workspace.tmp / "mine").exists()
     finally:
         shutil.rmtree(venv.parent, ignore_errors=True)
+
+
+def test_a_python_environment_inside_a_hidden_folder_is_bound_in() -> None:
+    # A checkout whose folder is hidden (its sources must not be readable) still runs its own venv.
+    top = Path("/var/lib") / f"sandbox-hidden-venv-{secrets.token_hex(4)}"
+    hidden = top / "exposed" / "checkout"
+    venv = hidden / ".venv"
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True
+        )
+        (hidden / "answer_key.py").write_text("ANSWER = 42\n")
+        site = next(venv.glob("lib/python3*/site-packages"))
+        (site / "marker_pkg.py").write_text("VALUE = 'from the hidden checkout'\n")
+        config = SandboxConfig(python_env=venv, exposed_paths=[top / "exposed"], hidden_paths=[hidden])
+        with Sandbox(config) as sandbox, sandbox.workspace() as workspace:
+            result = sandbox.run(
+                workspace, f"python -c 'import marker_pkg; print(marker_pkg.VALUE)'; ls -A {hidden}"
+            )
+            assert result.exit_code == 0, result.stderr
+            # Only the venv shows through the hidden folder, not the file beside it.
+            assert result.stdout.splitlines() == ["from the hidden checkout", ".venv"]
+            read = sandbox.run(workspace, f"cat {hidden / 'answer_key.py'}")
+            assert read.exit_code == 1 and "No such file or directory" in read.stderr
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
