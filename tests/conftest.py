@@ -2,9 +2,77 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+_WARMUP_SCRIPT = """
+import sys
+
+from prime_composer.launch import rl
+from prime_composer.launch.launcher import Launcher
+
+
+def warm_up(config, argv):
+    # The launcher's own warm-up stage (data from the environments, then sft), without RL.
+    specs, final = rl.warmup_specs(config, rl.write_resolved_configs(config))
+    for spec in specs:
+        result = Launcher([spec], config.output_dir / "logs").run()
+        if result.exit_code != 0:
+            print(f"warm-up failed ({result.reason})", flush=True)
+            return result.exit_code
+    return 0
+
+
+rl.launch = warm_up
+rl.main(sys.argv[1:])
+"""
+
+
+def _shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This test run's temporary root, shared by the xdist workers (each has its own basetemp
+    below it); never the repository or $HOME."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def warmed_model(tmp_path_factory: pytest.TempPathFactory, config: str, *overrides: str) -> Path:
+    """The SFT warm-up of ``rl @ configs/<config> <overrides>`` (its model folder), trained once per
+    test run by whichever worker asks first and shared, keyed by a digest of the config file and
+    the overrides. For tests that need a warmed-up model but do not test the warm-up (the
+    quickstart's end-to-end test runs its own)."""
+    repo = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256(
+        "\0".join([(repo / "configs" / config).read_text(), config, *overrides]).encode()
+    ).hexdigest()[:16]
+    root = _shared_root(tmp_path_factory) / f"warmup-{digest}"
+    root.mkdir(exist_ok=True)
+    final = root / "run" / "sft" / "final"
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for the same warm-up
+        if not (root / "done").exists():
+            command = [sys.executable, "-c", _WARMUP_SCRIPT, "@", str(repo / "configs" / config)]
+            command += ["--output-dir", str(root / "run"), *overrides]
+            proc = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=900)
+            assert proc.returncode == 0 and (final / "config.json").is_file(), proc.stdout + proc.stderr
+            (root / "done").touch()
+    return final
+
+
+@pytest.fixture(scope="session")
+def quickstart_warmup(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The quickstart's warm-up as the end-to-end tests shrink it (20 steps on 320 examples)."""
+    return warmed_model(
+        tmp_path_factory, "quickstart.toml", "--warmup.max-steps", "20", "--warmup.num-examples", "320"
+    )

@@ -14,9 +14,11 @@ from .conftest import REPO, rl_command
 pytestmark = pytest.mark.slow  # more than ~30 s on 2 cores: left out of the fast lane
 
 
-def test_quickstart_sdpo_runs_end_to_end(tmp_path: Path) -> None:
+def test_quickstart_sdpo_runs_end_to_end(tmp_path: Path, quickstart_warmup: Path) -> None:
     out = tmp_path / "run"
-    cmd = rl_command(out, "--max-steps", "3")
+    # RL from the quickstart's warm-up, trained once per test run (the quickstart's test runs the
+    # warm-up stage itself).
+    cmd = rl_command(out, "--max-steps", "3", "--no-warmup.enabled", "--model.name", str(quickstart_warmup))
     config = cmd.index(str(REPO / "configs" / "quickstart.toml"))
     cmd[config] = str(REPO / "configs" / "quickstart-sdpo.toml")
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)

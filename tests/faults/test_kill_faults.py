@@ -1,6 +1,8 @@
 """SIGKILL of each process at a random point of a step (the trainer mid-checkpoint included), then
 ``--resume``: no step lost or repeated, and the final weights equal an uninterrupted run's (the
-trainer's case is the project's bit-exact resume test).
+trainer's case is the project's bit-exact resume test). The four kills fall in one run, each in
+the resumed run of the kill before (so a resume of a resumed run is checked too): two launches per
+kill point were mostly process start-ups.
 
 The run is made deterministic (on-policy, seeded sampling, one sequence at a time in the server),
 so "equal" is a real check of nothing lost: a step trained twice, skipped, or resumed from
@@ -37,7 +39,9 @@ REPO, metric_steps, rl_command, run_rl = (
     _helpers.run_rl,
 )
 
-NUM_STEPS = 4
+# Four kills in one run, each at most ~3 steps after the previous one's last checkpoint, leave
+# steps to run after the last kill.
+NUM_STEPS = 12
 DETERMINISTIC = (
     "--max-steps",
     str(NUM_STEPS),
@@ -51,8 +55,10 @@ DETERMINISTIC = (
     "1",
     "--orchestrator.eval.interval",
     "0",
-    "--warmup.max-steps",
-    "20",
+    # A step whose groups all tie is still an optimizer step (and a checkpoint): over 12 steps the
+    # seeded run has 3 such steps in a row, which would stop it by default.
+    "--orchestrator.failure.max-empty-steps",
+    str(NUM_STEPS),
 )
 MODULES = {
     "trainer": b"prime_composer.trainer.main",
@@ -87,10 +93,19 @@ def checkpoint_done(output_dir: Path, step: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted run, with its SFT warm-up."""
+def warm_start(quickstart_warmup: Path) -> tuple[str, ...]:
+    """Every run here starts RL from the quickstart's warm-up, trained once per test run (the
+    warm-up is not what these tests kill)."""
+    return ("--no-warmup.enabled", "--model.name", str(quickstart_warmup))
+
+
+@pytest.fixture(scope="module")
+def reference(
+    tmp_path_factory: pytest.TempPathFactory, quickstart_warmup: Path, warm_start: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
+    """The final weights of the uninterrupted run."""
     out = tmp_path_factory.mktemp("reference")
-    proc = run_rl(out, *DETERMINISTIC)
+    proc = run_rl(out, *DETERMINISTIC, *warm_start)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     final = load_weights(out / "broadcasts" / f"step_{NUM_STEPS}")
     # RL did train (nonzero losses, weights moved from the warm-up's), so "equal final weights"
@@ -100,32 +115,19 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         for line in (out / "metrics" / "trainer.jsonl").read_text().splitlines()
     ]
     assert any(loss != 0.0 for loss in losses)
-    start = load_file(out / "sft" / "final" / "model.safetensors")
+    start = load_file(quickstart_warmup / "model.safetensors")
     assert any(not torch.equal(start[k], final[k]) for k in final.keys() & start.keys())
-    return out
+    return final
 
 
-@pytest.fixture(scope="module")
-def reference(reference_run: Path) -> dict[str, torch.Tensor]:
-    return load_weights(reference_run / "broadcasts" / f"step_{NUM_STEPS}")
-
-
-@pytest.fixture(scope="module")
-def warm_start(reference_run: Path) -> tuple[str, ...]:
-    """The interrupted runs start RL from the reference's warm-up result instead of training the
-    same warm-up again: the warm-up is deterministic, and an uninterrupted run started this way
-    ends on the reference's weights bit for bit (measured: max difference 0.0)."""
-    return ("--no-warmup.enabled", "--model.name", str(reference_run / "sft" / "final"))
-
-
-def kill_and_resume(
-    out: Path, victim: str, when, warm: tuple[str, ...], poll: float = 0.05, armed=None
-) -> str:
-    """Start a run, SIGKILL ``victim`` once ``when(out)`` says so (polled every ``poll`` s once
-    ``armed(out)`` holds, every 50 ms before: a tight loop from the start would take one of two
-    cores from the run), resume; returns the first output."""
+def kill_during(
+    out: Path, victim: str, when, warm: tuple[str, ...], resume: bool, poll: float, armed=None
+) -> None:
+    """Start a run (``--resume`` of the one before if ``resume``), SIGKILL ``victim`` once
+    ``when(out)`` says so (polled every ``poll`` s once ``armed(out)`` holds, every 50 ms before:
+    a tight loop from the start would take one of two cores from the run)."""
     launcher = subprocess.Popen(
-        rl_command(out, *DETERMINISTIC, *warm),
+        rl_command(out, *DETERMINISTIC, *warm, *(("--resume",) if resume else ())),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -147,10 +149,12 @@ def kill_and_resume(
     assert launcher.returncode != 0, output[-2000:]
     assert f"{victim} exited with code -9" in output, output[-2000:]
     assert "--resume" in output, output[-2000:]  # the launcher says how to continue
-    resumed = run_rl(out, *DETERMINISTIC, *warm, "--resume")
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resuming" in resumed.stdout
-    return output
+    if resume:
+        assert "resuming" in output, output[-2000:]
+
+
+def last_committed(out: Path) -> int:
+    return max((s for s in range(1, NUM_STEPS + 1) if checkpoint_done(out, s)), default=0)
 
 
 def assert_same_run(out: Path, reference: dict[str, torch.Tensor]) -> None:
@@ -183,29 +187,40 @@ EVENTS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", ["trainer", "orchestrator", "inference"])
-def test_sigkill_at_a_random_point_then_resume(
-    tmp_path: Path, reference, warm_start, victim: str, fault_rng: random.Random
+@pytest.mark.timeout(2400)  # six launches in one test (~10 min at load 5 on 2 cores)
+def test_sigkill_of_each_process_at_random_points_then_resume(
+    tmp_path: Path, reference, warm_start, fault_rng: random.Random
 ) -> None:
-    # Steps 1 and 2 of 4, so that a committed checkpoint precedes the kill and steps follow it.
-    step = fault_rng.choice([1, 2])
-    event = fault_rng.choice(sorted(EVENTS))
-    print(f"kill point: {victim} at the {event} event of step {step}")
-    kill_and_resume(tmp_path, victim, lambda out: EVENTS[event](out, step), warm_start, poll=0.01)
-    assert_same_run(tmp_path, reference)
+    """One run killed four times, each kill followed by ``--resume`` (which the next kill
+    interrupts): the trainer, the orchestrator and the inference server each at a random event of
+    a random step, and the trainer in the middle of writing a checkpoint, in a random order. The
+    run that finally completes must equal the uninterrupted one."""
+    kills = ["trainer", "orchestrator", "inference", "mid-checkpoint"]
+    fault_rng.shuffle(kills)
+    for i, kill in enumerate(kills):
+        # Every kill point lies after the last checkpoint the previous kill left, so it is an event
+        # of this (resumed) run, not a file left by the one before.
+        last = last_committed(tmp_path)
+        if kill == "mid-checkpoint":
+            first = last + 2  # a checkpoint of this run (``last + 1``) is complete before the kill
 
+            def mid_checkpoint(out: Path, first: int = first) -> bool:
+                root = out / "checkpoints"
+                return any(
+                    (root / f"step_{s}" / ".trainer.tmp").exists() for s in range(first, NUM_STEPS + 1)
+                )
 
-@pytest.mark.slow
-def test_sigkill_of_the_trainer_in_the_middle_of_a_checkpoint(tmp_path: Path, reference, warm_start) -> None:
-    def mid_checkpoint(out: Path) -> bool:
-        # While writing the checkpoint of step 2 or later (so an older complete one exists).
-        root = out / "checkpoints"
-        return checkpoint_done(out, 1) and any(
-            (root / f"step_{step}" / ".trainer.tmp").exists() for step in range(2, NUM_STEPS + 1)
-        )
-
-    # A tight poll: a checkpoint of the tiny model is written in ~50 ms.
-    kill_and_resume(
-        tmp_path, "trainer", mid_checkpoint, warm_start, poll=0.0, armed=lambda out: checkpoint_done(out, 1)
-    )
+            print(f"kill {i}: trainer while writing a checkpoint of step {first} or later")
+            # A tight poll: a checkpoint of the tiny model is written in ~50 ms.
+            armed = lambda out, step=first - 1: checkpoint_done(out, step)  # noqa: E731
+            kill_during(tmp_path, "trainer", mid_checkpoint, warm_start, i > 0, poll=0.0, armed=armed)
+        else:
+            step = last + 1 + fault_rng.choice([0, 1])
+            event = fault_rng.choice(sorted(EVENTS))
+            print(f"kill {i}: {kill} at the {event} event of step {step}")
+            when = lambda out, event=event, step=step: EVENTS[event](out, step)  # noqa: E731
+            kill_during(tmp_path, kill, when, warm_start, i > 0, poll=0.01)
+    resumed = run_rl(tmp_path, *DETERMINISTIC, *warm_start, "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming" in resumed.stdout
     assert_same_run(tmp_path, reference)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -49,6 +48,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from safetensors.torch import save_file
 
 from prime_composer.config.inference import InferenceConfig
+from prime_composer.config.ports import free_port
 from prime_composer.integrity import write_manifest
 from prime_composer.model.resolve import resolve_model_name
 from prime_composer.transport.weights import publish_weights
@@ -98,12 +98,6 @@ def _reference_logprobs(
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
     return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -261,7 +255,7 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     os.environ[SECRET_ENV] = SECRET  # inherited by serve_vllm, which hands vLLM only its name
     config = InferenceConfig(
         backend="vllm",
-        port=_free_port(),
+        port=free_port(),
         secret_env=SECRET_ENV,
         output_dir=output_dir,
         model={"name": MODEL_NAME, "dtype": "float32"},

@@ -26,12 +26,12 @@ from test_vllm_backend import (
     TEMPERATURE,
     VLLM_PYTHON,
     Server,
-    _free_port,
     _reference_logprobs,
 )
 
 from prime_composer.config.base import ModelConfig
 from prime_composer.config.inference import InferenceConfig
+from prime_composer.config.ports import free_port
 from prime_composer.config.trainer import LoraConfig
 from prime_composer.trainer.lora import adapter_config, adapter_state_dict, apply_lora
 from prime_composer.trainer.model import load_model
@@ -95,7 +95,7 @@ def test_vllm_cpu_serves_published_adapters(tmp_path: Path) -> None:
     }
     config = InferenceConfig(
         backend="vllm",
-        port=_free_port(),
+        port=free_port(),
         output_dir=tmp_path / "run",
         model={"name": MODEL_NAME, "dtype": "float32"},
         max_model_len=512,
