@@ -19,6 +19,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def server_root(base_url: str) -> str:
+    """``http://host:port`` from an OpenAI base URL (``http://host:port/v1``)."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
 def client_url(bind_host: str, port: int) -> str:
     """``http://host:port`` for a client on this machine reaching a server bound to ``bind_host``
     (an all-interfaces bind is reached on 127.0.0.1; an IPv6 address is bracketed)."""

@@ -310,6 +310,10 @@ class RelayClient:
         self.refused: set[str] = set()
         """SHA-256 of blobs that did not open (not downloaded again)."""
 
+    def close(self) -> None:
+        """Nothing to release: each call opens and closes its own connection (``RelayGroup``
+        has publishes in flight to stop)."""
+
     def _call(
         self, method: str, path: str, timeout_s: float, max_bytes: int, body: bytes = b""
     ) -> bytes | None:

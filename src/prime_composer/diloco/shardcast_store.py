@@ -554,7 +554,7 @@ class ShardcastStore:
 
     def close(self) -> None:
         self.origin.close()
-        if isinstance(self.relay, RelayGroup):
+        if self.relay is not None:
             self.relay.close()
         for d in self._downloaders.values():
             d.close()

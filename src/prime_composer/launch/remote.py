@@ -40,7 +40,7 @@ from prime_composer.config.inference import InferenceConfig
 from prime_composer.config.transport import WeightsOriginConfig
 from prime_composer.health import wait_healthy
 from prime_composer.io import atomic_write_text
-from prime_composer.netaddr import is_loopback
+from prime_composer.netaddr import is_loopback, server_root
 
 if TYPE_CHECKING:
     from prime_composer.config.rl import RLConfig
@@ -192,7 +192,7 @@ def wait_for_workers(config: RLConfig) -> None:
     naming the first that does not within ``launch.health_timeout_s``."""
     deadline = time.monotonic() + config.launch.health_timeout_s
     for url, command in zip(config.orchestrator.server_urls, worker_commands(config), strict=True):
-        health = url.rstrip("/").removesuffix("/v1") + "/health"
+        health = server_root(url) + "/health"
         waited = wait_healthy(health, max(0.0, deadline - time.monotonic()), poll_s=0.5)
         if not waited.healthy:
             raise RunError(

@@ -23,6 +23,7 @@ from typing import Any
 
 from prime_composer.client.http import EndpointClient
 from prime_composer.config.client import RetryConfig
+from prime_composer.netaddr import server_root
 from prime_composer.orchestrator.episode import Generation, ModelCallError
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -32,12 +33,6 @@ LOGPROB_SENTINEL = -9999.0
 
 RENDER_ONLY_FIELDS = frozenset({"chat_template_kwargs"})
 """Sampling fields that shape the rendering (the harness renders) rather than the sampling."""
-
-
-def server_root(base_url: str) -> str:
-    """``http://host:port`` from an OpenAI base URL (``http://host:port/v1``)."""
-    root = base_url.rstrip("/")
-    return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
 class TokenPolicy:

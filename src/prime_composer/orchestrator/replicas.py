@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 
 from prime_composer.config.orchestrator import ReplicasConfig
-from prime_composer.orchestrator.generate import server_root
+from prime_composer.netaddr import server_root
 
 logger = logging.getLogger(__name__)
 

@@ -82,6 +82,14 @@ class RefreshedReference(PolicyCopy):
         self.refreshes = int(state.get("refreshes", 0))
 
 
+def _padding_forward(model: nn.Module, mb: MicroBatch) -> ForwardOutput:
+    """``model``'s forward on one all-padding row of ``mb``'s width: what a rank without pairs in a
+    micro-batch runs so that every rank runs the same forwards (and FSDP's collectives match)."""
+    ids = torch.zeros((1, mb.input_ids.shape[1]), dtype=torch.long, device=mb.input_ids.device)
+    positions = torch.arange(ids.shape[1], device=ids.device)[None]
+    return forward_rows(model, ids, positions, torch.zeros_like(ids, dtype=torch.bool), 1.0)
+
+
 @register_term("replay")
 class ReplayTerm(LossTerm):
     """``trainer.loss.replay``: DPO on replayed (context, chosen, rejected) pairs."""
@@ -121,9 +129,7 @@ class ReplayTerm(LossTerm):
         group = mb.group(ReplayGroup)
         self.reference.num_forwards += 1
         if group is None:  # the same forward as the ranks with pairs here, on one padding row
-            ids = torch.zeros((1, mb.input_ids.shape[1]), dtype=torch.long, device=mb.input_ids.device)
-            positions = torch.arange(ids.shape[1], device=ids.device)[None]
-            forward_rows(self.reference.module, ids, positions, torch.zeros_like(ids, dtype=torch.bool), 1.0)
+            _padding_forward(self.reference.module, mb)
             return
         self._refs[index] = forward_rows(
             self.reference.module, group.input_ids, group.position_ids, group.side_mask, 1.0, entropy=False
@@ -148,10 +154,7 @@ class ReplayTerm(LossTerm):
         self.num_forwards += 1
         if group is None:
             # Another rank has pairs here: the same forward, on one padding row, adding 0.
-            ids = torch.zeros((1, mb.input_ids.shape[1]), dtype=torch.long, device=mb.input_ids.device)
-            positions = torch.arange(ids.shape[1], device=ids.device)[None]
-            dummy = forward_rows(self.policy, ids, positions, torch.zeros_like(ids, dtype=torch.bool), 1.0)
-            zero = dummy.logprobs.sum() * 0.0
+            zero = _padding_forward(self.policy, mb).logprobs.sum() * 0.0
             return zero, _empty_metrics(zero)
         side = forward_rows(
             self.policy, group.input_ids, group.position_ids, group.side_mask, 1.0, entropy=False
