@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 
 from prime_composer.integrity import IntegrityError
 from prime_composer.trainer.checkpoint import CheckpointManager
-from prime_composer.trainer.model import init_distributed
+from prime_composer.trainer.model import close_distributed, init_distributed
 
 
 def main(out: Path) -> None:
@@ -50,7 +50,7 @@ def main(out: Path) -> None:
     except IntegrityError as e:
         error = str(e)
     (out / f"rank_{world.rank}.json").write_text(json.dumps({"error": error}))
-    torch.distributed.destroy_process_group()
+    close_distributed()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,13 @@ from prime_composer.config.base import ModelConfig
 from prime_composer.config.optim import OptimConfig
 from prime_composer.trainer.checkpoint import CheckpointManager
 from prime_composer.trainer.export import save_hf_directory
-from prime_composer.trainer.model import full_state_dict, init_distributed, load_model, shard_model
+from prime_composer.trainer.model import (
+    close_distributed,
+    full_state_dict,
+    init_distributed,
+    load_model,
+    shard_model,
+)
 from prime_composer.trainer.optim import build_optimizer, clip_grad_norm
 from prime_composer.trainer.sft import rank_micro_batches, token_loss_sum, train_step
 from prime_composer.trainer.sft_data import load_sft_samples
@@ -75,7 +81,7 @@ def main(data: Path, out: Path, bench_steps: int) -> None:
             num_tokens = sum(len(s.input_ids) for s in samples)
             mean = sum(times) / len(times)
             print(f"fsdp2 2 ranks: {mean * 1000:.1f} ms/step, {num_tokens / mean:.0f} tokens/s", flush=True)
-    torch.distributed.destroy_process_group()
+    close_distributed()
 
 
 if __name__ == "__main__":

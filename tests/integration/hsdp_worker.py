@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from prime_composer.config.trainer import TrainerConfig
-from prime_composer.trainer.model import init_distributed
+from prime_composer.trainer.model import close_distributed, init_distributed
 from prime_composer.trainer.train import Trainer
 
 NUM_RANKS = 4
@@ -87,8 +87,7 @@ def main(root: Path) -> None:
             (run / "layout.json").write_text(json.dumps(_layout(trainer)))
         trainer.run()
         del trainer
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    close_distributed()
 
 
 if __name__ == "__main__":

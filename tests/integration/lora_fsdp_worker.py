@@ -19,7 +19,7 @@ from prime_composer.config.trainer import TrainerConfig
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.sample import Sample
 from prime_composer.trainer.export import export_final
-from prime_composer.trainer.model import init_distributed
+from prime_composer.trainer.model import close_distributed, init_distributed
 from prime_composer.trainer.train import Trainer
 from prime_composer.transport.batch import MicroBatch
 
@@ -76,8 +76,7 @@ def main(out: Path) -> None:
     export_final(trainer.model, trainer.tokenizer, out / "run", world, lora="merged")
     if world.is_main:
         torch.save({"losses": losses, "grad_norms": grad_norms}, out / "result.pt")
-    if world.is_distributed:
-        torch.distributed.destroy_process_group()
+    close_distributed()
 
 
 if __name__ == "__main__":

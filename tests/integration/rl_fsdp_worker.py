@@ -22,7 +22,7 @@ from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.packing import SDPOPacker
 from prime_composer.orchestrator.sdpo.target import set_sdpo_target
 from prime_composer.trainer.losses.base import TermContext, build_terms
-from prime_composer.trainer.model import init_distributed, load_model, shard_model
+from prime_composer.trainer.model import close_distributed, init_distributed, load_model, shard_model
 from prime_composer.trainer.step import train_step
 from prime_composer.transport.batch import MicroBatch
 
@@ -77,7 +77,7 @@ def main(out: Path, defer: bool) -> None:
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     if world.is_main:
         torch.save({"grads": grads, "loss": result.loss, "metrics": result.metrics}, out / "rank0.pt")
-    torch.distributed.destroy_process_group()
+    close_distributed()
 
 
 if __name__ == "__main__":

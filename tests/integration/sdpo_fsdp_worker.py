@@ -23,7 +23,13 @@ from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.packing import SDPOPacker
 from prime_composer.orchestrator.sdpo.target import set_sdpo_target
 from prime_composer.trainer.losses.sdpo_term import SDPOTerm
-from prime_composer.trainer.model import full_state_dict, init_distributed, load_model, shard_model
+from prime_composer.trainer.model import (
+    close_distributed,
+    full_state_dict,
+    init_distributed,
+    load_model,
+    shard_model,
+)
 from prime_composer.trainer.policy_copy import PolicyCopy
 
 MODEL = ModelConfig(name="builtin:tiny-qwen3", dtype="float32")
@@ -98,7 +104,7 @@ def main(out: Path) -> None:
         )
     else:
         torch.save({"logits": logits, "run_teacher": term._run_teacher}, out / "rank1.pt")
-    torch.distributed.destroy_process_group()
+    close_distributed()
 
 
 if __name__ == "__main__":

@@ -110,6 +110,18 @@ def init_distributed() -> World:
     return World(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device)
 
 
+def close_distributed() -> None:
+    """Leave the process group, once every rank has reached this point; a no-op without one.
+
+    The barrier comes first: a gloo rank that destroyed its group while a peer still ran its last
+    collective (an export, a checkpoint load) aborted at exit ("terminate called without an active
+    exception"), failing a run or test that had finished.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` is bfloat16 on a GPU and float32 on a CPU (as ``model.dtype`` documents)."""
     if name == "auto":

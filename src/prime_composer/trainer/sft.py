@@ -37,7 +37,7 @@ from prime_composer.logs import setup_logging
 from prime_composer.metrics import MetricsLogger
 from prime_composer.trainer.checkpoint import CheckpointManager
 from prime_composer.trainer.export import save_hf_directory
-from prime_composer.trainer.model import World, init_distributed, load_model, shard_model
+from prime_composer.trainer.model import World, close_distributed, init_distributed, load_model, shard_model
 from prime_composer.trainer.optim import build_optimizer, optimizer_step, set_grad_sync
 from prime_composer.trainer.sft_data import PaddedBatch, SFTSample, batch_indices, collate, load_sft_samples
 
@@ -121,9 +121,11 @@ def run_sft(cfg: SFTConfig) -> int:
     world = init_distributed()
     try:
         _train(cfg, world)
-    finally:
-        if dist.is_initialized():
+    except BaseException:
+        if dist.is_initialized():  # no barrier: the other ranks may never reach one
             dist.destroy_process_group()
+        raise
+    close_distributed()
     return 0
 
 

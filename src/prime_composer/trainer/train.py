@@ -49,7 +49,14 @@ from prime_composer.trainer.lora import (
 )
 from prime_composer.trainer.losses.aggregate import all_reduce_sum
 from prime_composer.trainer.losses.base import TermContext, build_terms
-from prime_composer.trainer.model import World, full_state_dict, init_distributed, load_model, shard_model
+from prime_composer.trainer.model import (
+    World,
+    close_distributed,
+    full_state_dict,
+    init_distributed,
+    load_model,
+    shard_model,
+)
 from prime_composer.trainer.optim import build_optimizer, lr_factor, optimizer_step
 from prime_composer.trainer.step import train_step
 from prime_composer.transport.adapter import publish_adapter
@@ -355,9 +362,4 @@ def train(config: TrainerConfig) -> None:
         except ValueError as e:  # a checkpoint of another model, a state it lacks: one line, no retry
             raise RunError(str(e)) from None
     trainer.run()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # Every rank's last collective is done before any rank tears its group down: a rank of a
-        # two-node run that destroyed its gloo group while a peer was still exporting aborted at
-        # exit ("terminate called without an active exception"), failing a finished run.
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    close_distributed()
