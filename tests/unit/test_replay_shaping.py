@@ -126,7 +126,8 @@ def test_lookup_scores_each_rollout_by_the_votes_at_its_state(tmp_path: Path) ->
         rollout("What is 1 + 1?", "2", 1.0),
         rollout("What is 4 + 4?", "8", 1.0),
     ]
-    assert lookup.lookup(samples) == pytest.approx([1 / 3, -1 / 3, -2 / 3, None, None])
+    found = lookup.lookup(samples)
+    assert [r.mean if r else None for r in found] == pytest.approx([1 / 3, -1 / 3, -2 / 3, None, None])
     assert lookup.metrics() == {"replay/shaping_looked_up": 5, "replay/shaping_shaped": 3}
     teacher.store.close()
     # The agreement rate: 1 of 3 votes for the first trace's "6", 1 of 1 for the second's "5".

@@ -6,6 +6,8 @@ sampling; the soft overlong penalty is off until ``overlong_buffer`` is set.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from prime_composer.config.base import BaseConfig
@@ -38,4 +40,16 @@ class AdvantageConfig(BaseConfig):
     other action at that state (+1: every teacher would have done the same, -1: they all agree on
     something else); a rollout with no labeled step gets nothing. ``reward`` itself stays the
     environment's, and dynamic sampling looks at the shaped values. Needs the teacher service's
-    store: a ``[teacher]`` section (or ``orchestrator.replay.store``)."""
+    store: a ``[teacher]`` section (or ``orchestrator.replay.store``). ``process_reward_credit``
+    says whether the whole rollout or each step gets the credit."""
+
+    process_reward_credit: Literal["sequence", "step", "return"] = "sequence"
+    """Where the process rewards go (``orchestrator/advantages.py`` has the formulas). ``sequence``:
+    the rollout's mean process reward shapes its reward before the group baseline (above), and all
+    its tokens share one advantage. ``step``: the group advantage is that of the outcome alone, and
+    each labeled assistant turn's tokens get ``A + w * (p_k - b)``, with ``p_k`` the process reward
+    of that turn's own action and ``b`` the mean process reward of the group's other rollouts
+    (leave-one-out, PRIME-style; 0 when none is labeled); a turn no teacher labeled keeps ``A``.
+    ``return``: as ``step``, but each turn gets the sum of ``p_j - b`` over itself and the later
+    labeled turns of its episode (PRIME's return-to-go, undiscounted). With ``process_reward_weight = 0`` every
+    choice is exactly the computation without process rewards."""

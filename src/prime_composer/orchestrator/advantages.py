@@ -19,6 +19,26 @@ The unit is the episode: the Samples of one episode split at a history-rewriting
 (same ``episode.trace_id``) count once in the mean and std, with their first Sample's shaped
 reward, and all get that episode's advantage.
 
+**Per-step credit** (``process_reward_credit = "step"`` or ``"return"``). The process rewards judge
+single steps (assistant turns), so they can credit the step they judge instead of the whole
+rollout. The group advantage ``A_i`` is then computed from the outcome alone (reward + overlong
+penalty), and each labeled turn k of rollout i gets its own advantage, carried token-exact to the
+trainer (``Sample.turn_advantages`` -> ``Sample.token_advantages`` -> the packed per-token
+advantages of ``rl_loss``):
+
+    step:    A_ik = A_i + w * (p_ik - b_i)
+    return:  A_ik = A_i + w * sum_{j >= k, j labeled} (p_ij - b_i)
+    b_i      = mean over the group's other labeled rollouts e of mean_k p_ek  (0 if there is none)
+
+A turn the teachers did not label keeps ``A_i`` (``step``) or the return of the later labeled
+turns (``return``). This is PRIME's combination (Cui et al. 2025: outcome and process returns
+computed separately, each against a leave-one-out baseline, then summed), with the teachers' vote
+margin as the process reward instead of an implicit PRM's log-ratio, and undiscounted. Neither rule
+is potential-based shaping: ``p`` scores an action at a state, not a state, so a large ``w`` can
+move the optimum toward what the teachers would do; ``w`` should stay small next to the outcome's
+spread. With ``w = 0`` nothing is looked up and every Sample keeps ``turn_advantages = None``:
+the numerics are exactly those without process rewards.
+
 Usage::
 
     scored = compute_advantages(samples, cfg.advantage, max_tokens=cfg.max_tokens)
@@ -32,7 +52,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from prime_composer.config.advantage import AdvantageConfig
-from prime_composer.orchestrator.sample import Sample
+from prime_composer.orchestrator.sample import ProcessReward, Sample, TurnAdvantage
 
 STD_EPS = 1e-4
 """Added to the group std before dividing, so a near-constant group does not explode."""
@@ -65,16 +85,17 @@ def compute_advantages(
     samples: list[Sample],
     cfg: AdvantageConfig,
     max_tokens: int | None = None,
-    process_rewards: Sequence[float | None] | None = None,
+    process_rewards: Sequence[float | ProcessReward | None] | None = None,
 ) -> list[Sample]:
     """Return copies of ``samples`` (same order) with ``advantage`` set per group.
 
     ``max_tokens`` is the completion token budget the rollouts were sampled with; it is needed
     only for the overlong penalty (``cfg.overlong_buffer > 0``), whose value is then recorded in
     each sample's ``metrics["overlong_penalty"]``. ``process_rewards`` (one per sample, None where
-    the teachers labeled none of its steps) is added with weight ``cfg.process_reward_weight``;
-    a shaped sample records it in ``metrics["process_reward"]``. ``reward`` is left as the
-    environment gave it.
+    the teachers labeled none of its steps: a ``ProcessReward``, or for sequence credit its mean
+    alone) is credited with weight ``cfg.process_reward_weight`` as ``cfg.process_reward_credit``
+    says (module docstring); a shaped sample records its mean in ``metrics["process_reward"]`` and,
+    with per-step credit, gets ``turn_advantages``. ``reward`` is left as the environment gave it.
     """
     if cfg.overlong_buffer > 0 and (max_tokens is None or cfg.overlong_buffer > max_tokens):
         raise ValueError(
@@ -93,36 +114,88 @@ def compute_advantages(
         raise ValueError(f"{len(process_rewards)} process rewards for {len(samples)} samples")
     if weight == 0 or process_rewards is None:
         process_rewards = [None] * len(samples)
-    shaping = [weight * pr if pr is not None else 0.0 for pr in process_rewards]
+    per_step = cfg.process_reward_credit != "sequence"
+    if per_step and any(pr is not None and not isinstance(pr, ProcessReward) for pr in process_rewards):
+        raise ValueError(
+            f"advantage.process_reward_credit = {cfg.process_reward_credit!r} needs per-step process "
+            "rewards (ProcessReward with steps), got a bare mean"
+        )
+    means = [pr.mean if isinstance(pr, ProcessReward) else pr for pr in process_rewards]
+    shaping = [weight * m if m is not None and not per_step else 0.0 for m in means]
 
     groups: dict[int, dict[object, list[int]]] = {}
     for i, s in enumerate(samples):
         episode = s.episode.trace_id if s.episode.trace_id is not None else ("sample", i)
         groups.setdefault(s.group_id, {}).setdefault(episode, []).append(i)
     advantages = [0.0] * len(samples)
+    turn_advantages: list[list[TurnAdvantage] | None] = [None] * len(samples)
     for episodes in groups.values():
         members = list(episodes.values())
         shaped = [samples[m[0]].reward + penalties[m[0]] + shaping[m[0]] for m in members]
-        for indices, adv in zip(members, _group_advantages(shaped, cfg.std_scaling), strict=True):
+        group_adv = _group_advantages(shaped, cfg.std_scaling)
+        for indices, adv in zip(members, group_adv, strict=True):
             for i in indices:
                 advantages[i] = adv
+        if per_step:
+            episode_means = [means[m[0]] for m in members]
+            for e, (indices, adv) in enumerate(zip(members, group_adv, strict=True)):
+                others = [m for f, m in enumerate(episode_means) if f != e and m is not None]
+                baseline = math.fsum(others) / len(others) if others else 0.0
+                credits = _step_credits(
+                    [process_rewards[i] for i in indices], baseline, cfg.process_reward_credit == "return"
+                )
+                for i, credit in zip(indices, credits, strict=True):
+                    if credit is not None:
+                        turn_advantages[i] = [TurnAdvantage(span, adv + weight * c) for span, c in credit]
 
     out = []
-    for s, adv, pen, pr in zip(samples, advantages, penalties, process_rewards, strict=True):
+    for s, adv, turns, pen, mean in zip(samples, advantages, turn_advantages, penalties, means, strict=True):
         metrics = {**s.metrics, "overlong_penalty": pen} if cfg.overlong_buffer > 0 else dict(s.metrics)
-        if pr is not None:
-            metrics["process_reward"] = pr
-        out.append(replace(s, advantage=adv, metrics=metrics))
+        if mean is not None:
+            metrics["process_reward"] = mean
+        out.append(replace(s, advantage=adv, turn_advantages=turns, metrics=metrics))
+    return out
+
+
+def _step_credits(
+    rewards: list[float | ProcessReward | None], baseline: float, to_go: bool
+) -> list[list[tuple[tuple[int, int], float]] | None]:
+    """Per Sample of one episode: ``(span, credit)`` of each of its turns that gets a credit, where
+    the credit is ``p_k - baseline`` (``to_go``: summed over the episode's turns from k on, labeled
+    ones only); None for a Sample without process rewards."""
+    steps = sorted(
+        (step.index, n, step)
+        for n, pr in enumerate(rewards)
+        if isinstance(pr, ProcessReward)
+        for step in pr.steps
+    )
+    credit = {(n, step.index): step.reward - baseline for _, n, step in steps if step.reward is not None}
+    if to_go:
+        running, seen = 0.0, False
+        for _, n, step in reversed(steps):
+            key = (n, step.index)
+            seen = seen or key in credit
+            running += credit.get(key, 0.0)
+            if seen:  # a turn after the last labeled one has no return
+                credit[key] = running
+    out: list[list[tuple[tuple[int, int], float]] | None] = []
+    for n, pr in enumerate(rewards):
+        if not isinstance(pr, ProcessReward):
+            out.append(None)
+            continue
+        out.append([(step.span, credit[(n, step.index)]) for step in pr.steps if (n, step.index) in credit])
     return out
 
 
 def filter_zero_variance(samples: list[Sample]) -> tuple[list[Sample], int]:
-    """Drop groups whose advantages are all 0 (equal shaped rewards): they carry no gradient.
+    """Drop groups whose advantages are all 0 (equal shaped rewards and, with per-step credit, no
+    turn credited): they carry no gradient.
 
     Call after ``compute_advantages``. Returns ``(kept samples in order, number of groups dropped)``.
     """
     informative: dict[int, bool] = {}
     for s in samples:
-        informative[s.group_id] = informative.get(s.group_id, False) or s.advantage != 0.0
+        nonzero = s.advantage != 0.0 or any(t.advantage != 0.0 for t in s.turn_advantages or ())
+        informative[s.group_id] = informative.get(s.group_id, False) or nonzero
     kept = [s for s in samples if informative[s.group_id]]
     return kept, sum(not v for v in informative.values())

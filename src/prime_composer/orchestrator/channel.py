@@ -17,16 +17,16 @@ advantage (``stream.py``). ``state_dict`` is the channel's entry in the orchestr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 from prime_composer.config.channels import Switched, channels
 from prime_composer.config.orchestrator import OrchestratorConfig
 from prime_composer.orchestrator.packing import GroupPacker
-from prime_composer.orchestrator.sample import Sample
+from prime_composer.orchestrator.sample import ProcessReward, Sample
 
-ProcessRewardFn = Callable[[list[Sample]], list[float | None]]
+ProcessRewardFn = Callable[[list[Sample]], Sequence[float | ProcessReward | None]]
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 1. Fit: a sample is ``prompt + completion``. One longer than ``seq_len`` is truncated from the
    completion end (its mask and logprobs cut with it) and reported in ``truncated_sample_ids``:
-   the trainer still learns from the part it sees, with the advantage the whole rollout earned.
+   the trainer still learns from the part it sees, with the advantage the whole rollout earned
+   (per token: ``Sample.token_advantages``, which per-step credit sets turn by turn).
    A sample whose prompt leaves no room for a completion token, or that has no policy token left
    to train on, is dropped and reported in ``dropped_sample_ids``.
 2. Rows: first-fit-decreasing bin packing of the samples into rows of ``seq_len`` tokens.
@@ -131,7 +132,7 @@ def _fit(sample_id: int, sample: Sample, seq_len: int) -> tuple[Piece | None, bo
         num_prompt=num_prompt,
         input_ids=list(sample.prompt_ids) + list(sample.completion_ids[:keep]),
         loss_mask=mask,
-        advantages=[sample.advantage if m else 0.0 for m in mask],
+        advantages=[0.0] * num_prompt + sample.token_advantages()[:keep],
         logprobs=[0.0] * num_prompt + list(sample.completion_logprobs[:keep]),
         completion_len=keep,
     )

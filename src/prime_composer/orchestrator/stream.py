@@ -34,7 +34,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +42,7 @@ from prime_composer.config.errors import RunError
 from prime_composer.config.orchestrator import FailureConfig, OrchestratorConfig
 from prime_composer.orchestrator.advantages import compute_advantages, filter_zero_variance
 from prime_composer.orchestrator.policy import PolicySync
-from prime_composer.orchestrator.sample import Sample
+from prime_composer.orchestrator.sample import ProcessReward, Sample
 from prime_composer.orchestrator.state import OrchestratorState
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class RolloutStream:
         draw: Callable[[], int],
         run_group: RunGroup,
         policy: PolicySync,
-        process_rewards: Callable[[list[Sample]], list[float | None]] | None = None,
+        process_rewards: Callable[[list[Sample]], Sequence[float | ProcessReward | None]] | None = None,
     ) -> None:
         """``drawn`` is the draw position ``draw()`` advances (it returns the next group id); at
         construction it is also the consumed position (a fresh run or a resumed checkpoint).

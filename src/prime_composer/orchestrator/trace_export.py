@@ -54,11 +54,7 @@ def episode_trace(samples: Sequence[Sample]) -> dict[str, Any] | None:
         return None
     info = samples[0].episode
     parser = get_parser(info.tool_call_format or "hermes")
-    steps: dict[int, tuple[Sample, TurnInfo]] = {}
-    for sample in samples:
-        for turn in sample_turns(sample):
-            if turn.message_index is not None:
-                steps[turn.message_index] = (sample, turn)
+    steps = _steps_by_message(samples)
     results: dict[str, ToolOutcome] = {r.call_id: r for s, t in steps.values() for r in t.tool_results}
     turns: list[dict[str, Any]] = []
     for index, message in enumerate(info.messages):
@@ -111,6 +107,24 @@ def episode_trace(samples: Sequence[Sample]) -> dict[str, Any] | None:
         }
     )
     return trace
+
+
+def episode_steps(samples: Sequence[Sample]) -> list[tuple[Sample, TurnInfo] | None]:
+    """The Sample and turn record behind each assistant turn of ``episode_trace(samples)``, in the
+    trace's order (None for an assistant message no Sample has a turn record of): how a value the
+    service gives per step of the trace goes back to the tokens of that step."""
+    steps = _steps_by_message(samples)
+    messages = samples[0].episode.messages if samples else []
+    return [steps.get(i) for i, m in enumerate(messages) if _role(m) == "assistant"]
+
+
+def _steps_by_message(samples: Sequence[Sample]) -> dict[int, tuple[Sample, TurnInfo]]:
+    steps: dict[int, tuple[Sample, TurnInfo]] = {}
+    for sample in samples:
+        for turn in sample_turns(sample):
+            if turn.message_index is not None:
+                steps[turn.message_index] = (sample, turn)
+    return steps
 
 
 def _role(message: Any) -> str | None:

@@ -10,6 +10,7 @@ service's store, read through ``pairs.PairStore`` (whose queries are built from 
     pairs = client.take_pairs(16, after_cursor=cursor)
     newest = client.newest_cursor()            # ready pairs are cursors 1..newest
     reward = client.process_reward(trace)      # mean over the trace's labeled steps, or None
+    steps = client.step_process_rewards(trace) # one per step (assistant turn), None: unlabeled
 
 Traces are dicts in ``traces.py``'s schema (``orchestrator/trace_export.py`` writes them). A failed
 or refused batch is counted (``replay/traces_failed``), never a crash.
@@ -94,17 +95,23 @@ class TeacherClient:
         """The mean process reward of the rollout's own actions at the trace's labeled steps (the
         teachers' votes at each step's state: ``votes.process_reward``), None with no labeled step
         or when the rollout is no valid trace."""
+        rewards = [r for r in self.step_process_rewards(trace) or [] if r is not None]
+        return sum(rewards) / len(rewards) if rewards else None
+
+    def step_process_rewards(self, trace: dict[str, Any]) -> list[float | None] | None:
+        """The process reward of the rollout's own action at each of the trace's steps (assistant
+        turns, in order), None at a step whose state no teacher labeled; None when the rollout is
+        no valid trace."""
         try:
             parsed = parse_trace(trace, "rollout", _LIMITS)
         except TraceError as e:  # a rollout that is no valid trace is simply not shaped
             logger.debug("rollout not looked up: %s", e)
             return None
-        rewards = []
+        rewards: list[float | None] = []
         for k in parsed.step_indices:
             votes = self.store.votes_at(parsed.state_hash(k))
-            if votes:
-                rewards.append(process_reward(turn_action(parsed.turns[k]).key, votes))
-        return sum(rewards) / len(rewards) if rewards else None
+            rewards.append(process_reward(turn_action(parsed.turns[k]).key, votes) if votes else None)
+        return rewards
 
     async def aclose(self) -> None:
         if self._tasks:
