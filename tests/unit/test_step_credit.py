@@ -226,3 +226,24 @@ def test_lookup_gives_each_turn_the_votes_at_its_own_state(tmp_path: Path) -> No
     assert scored.token_advantages() == pytest.approx([0.0, 0.0, 0.0, 0.0, 1 / 6, 1 / 6, 1 / 6])
     teacher.store.close()
     store.close()
+
+
+def test_returns_run_across_the_samples_of_a_split_episode() -> None:
+    def segment(trace_id: str, turn: int, reward: float) -> Sample:
+        info = TurnInfo(index=turn, span=(0, 2), message_index=None, finish_reason="stop")
+        record = EpisodeRecord(trace_id=trace_id, turns=[info], segment=turn, num_segments=2)
+        return Sample([1], [5, 6], [-0.5, -0.5], [1, 1], reward, 0, 0, 0, episode=record)
+
+    # Episode S (reward 1) is split in two Samples, one turn each; episode T (reward 0) unlabeled.
+    samples = [segment("S", 0, 1.0), segment("S", 1, 1.0), segment("T", 0, 0.0)]
+    labels = [
+        ProcessReward(-0.25, (StepReward(0, (0, 2), 0.5),)),
+        ProcessReward(-0.25, (StepReward(1, (0, 2), -1.0),)),
+        None,
+    ]
+    cfg = AdvantageConfig(process_reward_weight=0.2, process_reward_credit="return")
+    out = compute_advantages(samples, cfg, process_rewards=labels)
+    # By hand: A_S = 1/2, A_T = -1/2 (episodes count once); b_S = 0 (T has no label);
+    # turn 1: 1/2 + 0.2 * (-1) = 0.3; turn 0: 1/2 + 0.2 * (0.5 - 1) = 0.4.
+    flat = [a for s in out for a in s.token_advantages()]
+    assert flat == pytest.approx([0.4, 0.4, 0.3, 0.3, -0.5, -0.5], abs=1e-15)

@@ -164,10 +164,13 @@ def _step_credits(
     the credit is ``p_k - baseline`` (``to_go``: summed over the episode's turns from k on, labeled
     ones only); None for a Sample without process rewards."""
     steps = sorted(
-        (step.index, n, step)
-        for n, pr in enumerate(rewards)
-        if isinstance(pr, ProcessReward)
-        for step in pr.steps
+        (
+            (step.index, n, step)
+            for n, pr in enumerate(rewards)
+            if isinstance(pr, ProcessReward)
+            for step in pr.steps
+        ),
+        key=lambda item: (item[0], item[1]),  # episode turn order; the Sample breaks a (malformed) tie
     )
     credit = {(n, step.index): step.reward - baseline for _, n, step in steps if step.reward is not None}
     if to_go:
