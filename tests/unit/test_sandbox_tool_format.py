@@ -6,7 +6,7 @@ import pytest
 
 from prime_composer.sandbox.files import ToolError
 from prime_composer.sandbox.sandbox import RunResult
-from prime_composer.sandbox.tools import _schema, _Tool, _validate, format_run
+from prime_composer.sandbox.tools import Tool, _schema, _validate, format_run
 
 
 def result(**fields: object) -> RunResult:
@@ -39,7 +39,7 @@ def test_format_run_states_how_the_command_ended() -> None:
     )
 
 
-TOOL = _Tool(
+TOOL = Tool(
     "read_file",
     "",
     _schema(["path"], path=("string", ""), start_line=("integer", "")),
