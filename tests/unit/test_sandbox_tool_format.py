@@ -6,7 +6,7 @@ import pytest
 
 from prime_composer.sandbox.files import ToolError
 from prime_composer.sandbox.sandbox import RunResult
-from prime_composer.sandbox.tools import _schema, _Tool, _validate, format_run
+from prime_composer.sandbox.tools import Tool, _schema, _validate, format_run
 
 
 def result(**fields: object) -> RunResult:
@@ -39,7 +39,7 @@ def test_format_run_states_how_the_command_ended() -> None:
     )
 
 
-TOOL = _Tool(
+TOOL = Tool(
     "read_file",
     "",
     _schema(["path"], path=("string", ""), start_line=("integer", "")),
@@ -79,3 +79,45 @@ def test_arguments_may_come_parsed_or_malformed() -> None:
     assert _as_json({"path": "x"}) == '{"path": "x"}'
     assert _as_json(["x"]) == '["x"]'
     assert _as_json({"x": object()}).startswith("{'x': <object")
+
+
+EXTERNAL = Tool(
+    "lookup",
+    "An MCP-style tool with a richer schema.",
+    {
+        "type": "object",
+        "properties": {
+            "query": {"type": "string"},
+            "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+            "score": {"type": "number"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "exact": {"type": "boolean"},
+        },
+        "required": ["query"],
+        "additionalProperties": False,
+    },
+    lambda **_: ("", None),
+    external=True,
+)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"query": "x", "limit": None, "score": 2, "tags": ["a"], "exact": True}, None),
+        ({"query": "x", "score": 0.5}, None),
+        ({"query": "x", "score": None}, None),  # null for an optional argument: left out
+        ({"limit": 3}, "lookup needs the argument 'query'"),
+        ({"query": "x", "page": 2}, "lookup has no argument 'page'"),
+        ({"query": "x", "score": True}, "argument 'score' of lookup must be of type number, got true"),
+        ({"query": "x", "limit": "3"}, "argument 'limit' of lookup must be of type integer or null"),
+        ({"query": "x", "tags": "a"}, "argument 'tags' of lookup must be of type array"),
+    ],
+)
+def test_external_tools_are_checked_against_their_own_schema(args: dict, message: str | None) -> None:
+    if message is None:
+        _validate(EXTERNAL, dict(args))
+        return
+    with pytest.raises(ToolError, match=message.replace("(", r"\(")) as error:
+        _validate(EXTERNAL, dict(args))
+    assert error.value.kind == "invalid_arguments"

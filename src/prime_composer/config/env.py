@@ -18,6 +18,46 @@ from prime_composer.config.client import RetryConfig
 from prime_composer.config.sandbox import SandboxConfig, ToolsConfig
 
 
+class McpServerConfig(BaseConfig):
+    """One MCP tool server whose tools the agent loop offers beside (or instead of) the sandbox's.
+
+    ``command`` is a stdio server: it runs in the episode's sandbox, in its workspace, one run per
+    tool call (``orchestrator/mcp_tools.py`` says why), so it sees the episode's files and nothing
+    else, without network. ``url`` is a streamable-HTTP server that is already running; it is
+    called from the orchestrator's process, not sandboxed.
+    """
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_-]+$")
+    """Label of the server in errors and tool records."""
+
+    command: list[str] | None = None
+    """The stdio server's argv, run in the sandbox's workspace (e.g. ``["python", "server.py"]``)."""
+
+    url: str | None = None
+    """The streamable-HTTP endpoint (e.g. ``http://127.0.0.1:8000/mcp``)."""
+
+    tools: list[str] | None = None
+    """Offer only these of the server's tools; ``None`` offers all it lists."""
+
+    timeout_s: float = Field(default=30.0, gt=0)
+    """Wall-clock limit of one tool call (server start-up included for stdio servers)."""
+
+    @model_validator(mode="after")
+    def _check_transport(self) -> McpServerConfig:
+        if (self.command is None) == (self.url is None):
+            raise ValueError(
+                f"mcp server {self.name!r}: set exactly one of command (a stdio server) or url "
+                "(a streamable-HTTP server)"
+            )
+        if self.command is not None and not self.command:
+            raise ValueError(f"mcp server {self.name!r}: command is empty; give the server's argv")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"mcp server {self.name!r}: url must start with http:// or https://, got {self.url!r}"
+            )
+        return self
+
+
 class AgentLoopConfig(BaseConfig):
     """The multi-turn, tool-using episode loop (``orchestrator/episode.py``): its budgets, how tool
     calls are read from the model's text, and the sandbox the tools run in.
@@ -63,12 +103,23 @@ class AgentLoopConfig(BaseConfig):
     tools: ToolsConfig = ToolsConfig()
     """Output caps of the coding tools; which tools are offered is each task's choice."""
 
+    mcp_servers: list[McpServerConfig] = Field(default_factory=list)
+    """MCP tool servers whose tools every episode is offered after the task's own tools (a task
+    can list more in ``AgentTaskData.mcp_servers``); tool names must not clash."""
+
     sandbox: SandboxConfig = SandboxConfig()
     """Where and how tool calls and test runs execute (see ``prime_composer.sandbox``)."""
 
     request: RetryConfig = RetryConfig(timeout_s=300.0, max_retries=2)
     """Time limit and retries of one token-in model call (``/inference/v1/generate``); a call that
     still fails makes the episode an error sample."""
+
+    @model_validator(mode="after")
+    def _check_mcp_names(self) -> AgentLoopConfig:
+        names = [server.name for server in self.mcp_servers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mcp_servers: two servers share a name in {names}; give each its own name")
+        return self
 
 
 class EnvConfig(BaseConfig):

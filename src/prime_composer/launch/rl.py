@@ -456,6 +456,7 @@ def _run_stages(
 SUBCOMMANDS = {
     "migrate": "prime_composer.prime_rl.migrate",  # rl migrate prime-rl.toml: print it in our names
     "export": "prime_composer.trainer.export",  # rl export @ config.toml --checkpoint <dir>
+    "envs": "prime_composer.orchestrator.env_ids",  # rl envs: the environments that can be loaded
 }
 """``rl <name> ...``: the module whose ``main(argv)`` runs it."""
 

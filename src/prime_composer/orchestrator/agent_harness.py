@@ -3,7 +3,8 @@
 ``prime-composer-agent`` is what environments with ``AgentTaskData`` tasks run with (``envs.py``
 pins it). ``launch``
 
-1. makes the episode's workspace and toolset from the task (``agent_task.py``) and leaves them on
+1. makes the episode's workspace and toolset from the task (``agent_task.py``), with the tools of
+   the MCP servers the task and the loop list (``mcp_tools.py``), and leaves them on
    ``trace.state`` for the task's scoring; ``cleanup`` deletes the workspace after scoring;
 2. renders the task prompt with the policy's chat template (``chat_render.py``) and runs the agent
    loop (``episode.py``), sampling token-in/token-out from the inference server
@@ -34,6 +35,7 @@ from prime_composer.orchestrator.agent_task import AgentState, AgentTaskData, sh
 from prime_composer.orchestrator.chat_render import ChatRenderer
 from prime_composer.orchestrator.episode import ModelCallError, new_episode, run_episode
 from prime_composer.orchestrator.generate import TokenPolicy, client_for
+from prime_composer.orchestrator.mcp_tools import McpError, mcp_tools
 from prime_composer.sandbox import Toolset
 from prime_composer.tool_calls import get_parser
 
@@ -134,7 +136,12 @@ class AgentHarness(vf.Harness[AgentHarnessConfig]):
         workspace = await asyncio.to_thread(sandbox.workspace, source_dir(task.files))
         trace.state.sandbox, trace.state.workspace = sandbox, workspace
         tools_config = loop.tools.model_copy(update={"enabled": list(task.tools)})
-        return Toolset(sandbox, workspace, tools_config, test_command=task.test_command)
+        servers = [*task.mcp_servers, *loop.mcp_servers]
+        try:
+            extra = await asyncio.to_thread(mcp_tools, servers, sandbox, workspace) if servers else []
+        except McpError as e:
+            raise vf.HarnessError(str(e)) from e
+        return Toolset(sandbox, workspace, tools_config, test_command=task.test_command, extra_tools=extra)
 
 
 _tokenizers: dict[str, Any] = {}

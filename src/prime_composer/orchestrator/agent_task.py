@@ -31,6 +31,7 @@ from pathlib import Path
 import verifiers.v1 as vf
 from pydantic import ConfigDict, Field
 
+from prime_composer.config.env import McpServerConfig
 from prime_composer.config.sandbox import ALL_TOOLS, SandboxConfig, ToolName
 from prime_composer.sandbox import Sandbox, Toolset, Workspace
 
@@ -41,7 +42,11 @@ class AgentTaskData(vf.TaskData):
     files: dict[str, str] = Field(default_factory=dict)
     """The workspace the episode starts from: relative path -> text content."""
     tools: list[ToolName] = Field(default_factory=lambda: list(ALL_TOOLS))
-    """Tools offered to the model, in this order."""
+    """Sandbox tools offered to the model, in this order (``[]`` with ``mcp_servers``: only the
+    servers' tools)."""
+    mcp_servers: list[McpServerConfig] = Field(default_factory=list)
+    """MCP tool servers whose tools are offered after ``tools`` (``orchestrator/mcp_tools.py``);
+    a stdio server runs in the episode's sandbox, so its script can be one of ``files``."""
     test_command: str | None = None
     """What ``run_tests`` runs (bash -c in the workspace); needed when ``run_tests`` is offered."""
     reference_replies: list[str] | None = None

@@ -2,12 +2,19 @@
 
 ``envs.py`` loads environments (and imports verifiers, ~3 s); the launcher's pre-launch checks
 only need to know whether an id resolves, which this module answers from the file system.
+``rl envs`` (``main``) lists what resolves: local folders, installed verifiers environment
+packages and verifiers' built-in tasksets.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import json
+import re
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 
 DEFAULT_ENV_DIRS: tuple[Path, ...] = (Path("environments"),)
@@ -45,3 +52,73 @@ def environment_exists(env_id: str, env_dirs: Sequence[Path] = DEFAULT_ENV_DIRS)
         if (tasksets / module).is_dir() or (tasksets / f"{module}.py").is_file():
             return True
     return False
+
+
+@dataclass(frozen=True)
+class EnvironmentEntry:
+    """One environment ``[[orchestrator.env]] id = ...`` can load, for ``rl envs``."""
+
+    id: str
+    kind: str
+    """``local`` (a folder of ``environments/``), ``installed`` (a distribution that depends on
+    verifiers and ships the module) or ``builtin`` (a taskset of verifiers itself)."""
+    where: str
+
+
+def catalog(env_dirs: Sequence[Path] = DEFAULT_ENV_DIRS) -> list[EnvironmentEntry]:
+    """Every environment id that resolves here, found on disk and in installed metadata (nothing
+    is imported); local folders shadow installed packages of the same module name."""
+    entries = [
+        EnvironmentEntry(m, "local", str(folder)) for m, folder in local_environments(env_dirs).items()
+    ]
+    seen = {entry.id for entry in entries}
+    for dist in sorted(metadata.distributions(), key=lambda d: d.metadata["Name"] or ""):
+        name = dist.metadata["Name"] or ""
+        requires = [r.split(";")[0] for r in dist.requires or []]
+        if name in ("verifiers", "prime-composer") or not any(
+            re.match(r"verifiers\b", r.strip()) for r in requires
+        ):
+            continue
+        module = module_name(name)
+        if module in seen or importlib.util.find_spec(module) is None:
+            continue  # a library built on verifiers, not an environment of the same name
+        seen.add(module)
+        entries.append(EnvironmentEntry(name, "installed", f"{name} {dist.version}"))
+    spec = importlib.util.find_spec("verifiers")
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        tasksets = Path(location) / "v1" / "tasksets"
+        for path in sorted(tasksets.iterdir()) if tasksets.is_dir() else []:
+            module = path.stem if path.suffix == ".py" else path.name
+            if (
+                module.startswith("_")
+                or module in seen
+                or not (path.suffix == ".py" or (path / "__init__.py").is_file())
+            ):
+                continue
+            seen.add(module)
+            entries.append(EnvironmentEntry(module, "builtin", "verifiers.v1.tasksets"))
+    return entries
+
+
+def main(argv: Sequence[str]) -> int:
+    """``rl envs [--env-dir DIR ...] [--json]``: the environments ``[[orchestrator.env]]`` can load."""
+    parser = argparse.ArgumentParser(prog="rl envs", description=main.__doc__)
+    parser.add_argument(
+        "--env-dir", action="append", type=Path, help="folder of local environments (default: environments/)"
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = parser.parse_args(list(argv))
+    entries = catalog(args.env_dir or DEFAULT_ENV_DIRS)
+    if args.json:
+        for entry in entries:
+            print(json.dumps(asdict(entry)))
+        return 0
+    width = max([len(e.id) for e in entries] + [2])
+    print(f"{'id':<{width}}  {'kind':<9}  where")
+    for entry in entries:
+        print(f"{entry.id:<{width}}  {entry.kind:<9}  {entry.where}")
+    print(
+        "builtin tasksets mostly need containers or network; the openenv one needs the openenv "
+        "package, which cannot be installed beside vllm 0.33 (docs/architecture.md)"
+    )
+    return 0

@@ -19,6 +19,10 @@ The tools (an environment picks which ones with ``ToolsConfig.enabled``)::
 
 The file tools run in this process (``files.py`` explains why that is safe); ``search``, ``run``
 and ``run_tests`` run in the sandbox.
+
+More tools (an MCP server's, ``orchestrator/mcp_tools.py``) come in as ``Tool``s through
+``extra_tools``: they get the same dispatch, argument checks (against their own JSON schema),
+result cap, records and one-call-at-a-time lock as the built-in ones.
 """
 
 from __future__ import annotations
@@ -78,12 +82,20 @@ class ToolResult:
 
 
 @dataclass(frozen=True)
-class _Tool:
+class Tool:
+    """One tool: its definition for the model and the handler a call runs (``handler(**args)``
+    returns the text for the model and the sandbox run, if it made one; it raises ``ToolError``
+    for a failure the model should see)."""
+
     name: str
     description: str
     parameters: dict[str, Any]
-    """JSON schema of the arguments: an object of string / integer properties."""
+    """JSON schema of the arguments: an object of string / integer properties for the built-in
+    tools; any object schema for ``external`` ones."""
     handler: Callable[..., tuple[str, RunResult | None]]
+    external: bool = False
+    """Arguments are checked against the schema's top level only (required, unknown and the JSON
+    types of the properties); the tool checks the rest itself."""
 
     def definition(self) -> dict[str, Any]:
         return {
@@ -123,6 +135,7 @@ class Toolset:
         config: ToolsConfig | None = None,
         *,
         test_command: Sequence[str] | str | None = None,
+        extra_tools: Sequence[Tool] = (),
     ) -> None:
         self.sandbox = sandbox
         self.workspace = workspace
@@ -133,7 +146,14 @@ class Toolset:
         if "run_tests" in config.enabled and not test_command:
             raise ValueError("tools: run_tests is enabled but the task has no test command")
         tools = {tool.name: tool for tool in self._all_tools()}
-        self.tools: dict[str, _Tool] = {name: tools[name] for name in config.enabled}
+        self.tools: dict[str, Tool] = {name: tools[name] for name in config.enabled}
+        for tool in extra_tools:
+            if tool.name in self.tools:
+                raise ValueError(
+                    f"tools: two tools are named {tool.name!r}; offer only one of them (restrict an "
+                    "MCP server's tools with its `tools` list, or drop the sandbox tool from the task)"
+                )
+            self.tools[tool.name] = tool
 
     def definitions(self) -> list[dict[str, Any]]:
         """The enabled tools in the OpenAI chat-completions ``tools`` format."""
@@ -213,18 +233,18 @@ class Toolset:
 
     # -- the tools ------------------------------------------------------------------------
 
-    def _all_tools(self) -> list[_Tool]:
+    def _all_tools(self) -> list[Tool]:
         cfg, limits, test_limits = self.config, self.sandbox.config.limits, self.sandbox.config.test_limits
         limit_note = f"Results longer than {cfg.max_result_bytes} bytes are cut in the middle."
         return [
-            _Tool(
+            Tool(
                 "list_files",
                 f"List the files and folders under a folder of the workspace, recursively (at most "
                 f"{cfg.max_list_entries} entries; folders end with '/').",
                 _schema(path=("string", "Folder relative to the workspace root; default '.'.")),
                 self._list_files,
             ),
-            _Tool(
+            Tool(
                 "read_file",
                 f"Read a text file with line numbers (at most {cfg.max_read_lines} lines per call; page "
                 "with start_line). The numbers are not part of the file.",
@@ -236,7 +256,7 @@ class Toolset:
                 ),
                 self._read_file,
             ),
-            _Tool(
+            Tool(
                 "search",
                 f"Search file contents with a Perl-compatible regular expression (grep -P); prints "
                 f"path:line:text for each matching line, at most {cfg.max_search_matches}.",
@@ -248,7 +268,7 @@ class Toolset:
                 ),
                 self._search,
             ),
-            _Tool(
+            Tool(
                 "write_file",
                 "Create a file, or replace all of an existing file's content; missing folders are created.",
                 _schema(
@@ -258,7 +278,7 @@ class Toolset:
                 ),
                 self._write_file,
             ),
-            _Tool(
+            Tool(
                 "edit_file",
                 "Replace one exact occurrence of old_string in a file with new_string. old_string must "
                 "appear exactly once (whitespace and indentation included); add surrounding lines to "
@@ -271,14 +291,14 @@ class Toolset:
                 ),
                 self._edit_file,
             ),
-            _Tool(
+            Tool(
                 "run",
                 f"Run a bash command in the workspace (no network; killed after {limits.timeout_s:g} s). "
                 f"Returns the exit code, stdout and stderr. {limit_note}",
                 _schema(["command"], command=("string", "The bash command line.")),
                 self._run,
             ),
-            _Tool(
+            Tool(
                 "run_tests",
                 f"Run the task's tests (killed after {test_limits.timeout_s:g} s) and return their "
                 f"output. {limit_note}",
@@ -382,13 +402,27 @@ def _as_json(arguments: object) -> str:
         return str(arguments)  # not JSON: reported as invalid_json
 
 
-def _validate(tool: _Tool, args: Any) -> None:
-    """Check ``args`` against the tool's (flat) schema; raise ``ToolError`` with what is wrong."""
+_JSON_TYPES: dict[str, Callable[[object], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+    "null": lambda v: v is None,
+}
+
+
+def _validate(tool: Tool, args: Any) -> None:
+    """Check ``args`` against the tool's schema; raise ``ToolError`` with what is wrong."""
     if not isinstance(args, dict):
         raise ToolError(
             "invalid_arguments",
             f"the arguments of {tool.name} must be a JSON object, not {type(args).__name__}",
         )
+    if tool.external:
+        _validate_external(tool, args)
+        return
     properties: dict[str, dict[str, str]] = tool.parameters["properties"]
     # Models often send null for an optional argument they mean to leave out.
     for name in [n for n, v in args.items() if v is None and n not in tool.parameters["required"]]:
@@ -415,3 +449,48 @@ def _validate(tool: _Tool, args: Any) -> None:
                 "invalid_arguments",
                 f"argument {name!r} of {tool.name} must be {article} {kind}, got {json.dumps(value)[:50]}",
             )
+
+
+def _validate_external(tool: Tool, args: dict[str, Any]) -> None:
+    """The top level of an external tool's JSON schema: required names, unknown names where the
+    schema forbids them, and each given property's JSON type."""
+    schema = tool.parameters
+    properties: dict[str, Any] = schema.get("properties") or {}
+    required: list[str] = schema.get("required") or []
+    for name in [n for n, v in args.items() if v is None and n not in required]:
+        if "null" not in _types(properties.get(name)):
+            del args[name]
+    if schema.get("additionalProperties") is False:
+        unknown = sorted(set(args) - set(properties))
+        if unknown:
+            expected = ", ".join(properties) or "none"
+            raise ToolError(
+                "invalid_arguments", f"{tool.name} has no argument {unknown[0]!r} (arguments: {expected})"
+            )
+    missing = [name for name in required if name not in args]
+    if missing:
+        raise ToolError("invalid_arguments", f"{tool.name} needs the argument {missing[0]!r}")
+    for name, value in args.items():
+        kinds = [k for k in _types(properties.get(name)) if k in _JSON_TYPES]
+        if kinds and not any(_JSON_TYPES[k](value) for k in kinds):
+            raise ToolError(
+                "invalid_arguments",
+                f"argument {name!r} of {tool.name} must be of type {' or '.join(kinds)}, "
+                f"got {json.dumps(value)[:50]}",
+            )
+
+
+def _types(schema: Any) -> list[str]:
+    """The JSON types a property schema allows (``type``, or each ``anyOf`` branch's); [] is any."""
+    if not isinstance(schema, dict):
+        return []
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return [kind]
+    if isinstance(kind, list):
+        return [k for k in kind if isinstance(k, str)]
+    branches = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(branches, list):
+        kinds = [_types(b) for b in branches]
+        return [] if any(not k for k in kinds) else [k for ks in kinds for k in ks]
+    return []
