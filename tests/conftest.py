@@ -1,4 +1,5 @@
-"""Test-wide settings: offline, quiet, and small thread counts for 2-core machines."""
+"""Test-wide settings: offline, quiet, and small thread counts for 2-core machines; the files that
+hold slow tests are handed to the xdist workers first."""
 
 from __future__ import annotations
 
@@ -15,6 +16,30 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files that hold a ``slow`` test first (in collection order: end-to-end, faults,
+    integration), then the rest, the files with the most tests first.
+
+    With ``--dist loadfile`` each xdist worker takes the next whole file when it is free, so the
+    suite ends when the last long file ends: the long ones must start first and the short ones
+    fill the end. xdist's own reordering (by the number of tests in a file, turned off by
+    ``--no-loadscope-reorder`` in the pytest settings) put the one-test end-to-end files, the
+    longest of all, last. Within a file the order is kept (its module fixtures are built once).
+    """
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def key(entry: tuple[int, list[pytest.Item]]) -> tuple[int, int]:
+        index, file_items = entry
+        if any(item.get_closest_marker("slow") for item in file_items):
+            return (0, index)
+        return (1, -len(file_items))
+
+    ordered = sorted(enumerate(files.values()), key=key)  # stable: ties keep collection order
+    items[:] = [item for _, file_items in ordered for item in file_items]
 
 
 _WARMUP_SCRIPT = """

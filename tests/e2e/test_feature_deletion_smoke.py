@@ -1,5 +1,5 @@
 """``configs/feature-deletion-smoke.toml`` through the real launcher: the CI corpus is built and
-its tasks generated on first use (in a temporary store), then a few RL steps of multi-turn,
+a few of its tasks generated on first use (in a temporary store), then a few RL steps of multi-turn,
 tool-using episodes in the environment's sandbox, graded by its grader, trained on."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ pytestmark = [
 
 def test_the_feature_deletion_smoke_config_runs_through_the_launcher(tmp_path: Path) -> None:
     config = (REPO / "configs" / "feature-deletion-smoke.toml").read_text()
-    args = 'args = { corpus = "ci", build = true, num_tasks = 4, hidden_paths = ["/work"] }'
+    args = 'args = { corpus = "ci", taskset = "ci-smoke", build = true, build_tasks_per_project = 2, num_tasks = 4, hidden_paths = ["/work"] }'
     assert args in config
     store = tmp_path / "store"
     config = config.replace(args, args.replace("corpus =", f'store = "{store}", corpus ='))
@@ -33,7 +33,11 @@ def test_the_feature_deletion_smoke_config_runs_through_the_launcher(tmp_path: P
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
 
-    assert (store / "tasks" / "ci" / "tasks.jsonl").is_file()
+    # Two tasks per project of the CI corpus (textkit, ledger, intervals) and the canary.
+    tasks = (store / "tasks" / "ci-smoke" / "tasks.jsonl").read_text().splitlines()
+    assert sorted(json.loads(t)["project"] for t in tasks) == sorted(
+        ["textkit-0.1.0"] * 2 + ["ledger-0.1.0"] * 2 + ["intervals-0.1.0"] * 2 + ["canary-0"]
+    )
     assert metric_steps(out, "trainer") == [0, 1, 2]
     rows = [json.loads(line) for line in (out / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]

@@ -100,14 +100,15 @@ def _rl(output_dir: Path, *extra: str, prefix: list[str] | None = None) -> subpr
 def _listeners(pids: set[int]) -> set[str]:
     """``addr:port`` of every TCP socket the processes ``pids`` (and their children) listen on."""
     out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
-    tree = set(pids)
-    for _ in range(3):  # rl -> torchrun agent -> ranks
+    parents = [
+        tuple(map(int, line.split()))
         for line in subprocess.run(
             ["ps", "-eo", "pid=,ppid="], capture_output=True, text=True
-        ).stdout.splitlines():
-            pid, ppid = map(int, line.split())
-            if ppid in tree:
-                tree.add(pid)
+        ).stdout.splitlines()
+    ]
+    tree = set(pids)
+    for _ in range(3):  # rl -> torchrun agent -> ranks (one ps per poll: the ranks share 2 cores)
+        tree |= {pid for pid, ppid in parents if ppid in tree}
     found = set()
     for line in out.splitlines():
         if any(f"pid={pid}," in line for pid in tree):

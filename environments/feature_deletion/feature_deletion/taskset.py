@@ -64,6 +64,10 @@ class FeatureDeletionConfig(vf.TasksetConfig):
     build: bool = False
     """Build the corpus and generate the taskset if the store does not hold it yet (only for the
     ``ci`` corpus, which needs no network; ~1 minute)."""
+    build_tasks_per_project: int | None = Field(default=None, ge=1)
+    """With ``build``: stop generating a project's tasks once this many are accepted (default: all
+    that validate, up to 40), for a quick run that needs only a few; give such a taskset its own
+    ``taskset`` name, since a built taskset is reused as it is."""
     split: Literal["train", "eval"] = "train"
     eval_fraction: float = Field(default=0.1, ge=0, lt=1)
     """Share of the tasks held out for ``eval`` (seeded by ``split_seed``)."""
@@ -110,7 +114,12 @@ def runtime(config: FeatureDeletionConfig) -> FeatureDeletion:
             hidden = [Path(p) for p in config.hidden_paths]
             limits = Limits(test_timeout_s=config.test_timeout_s, probe_timeout_s=config.probe_timeout_s)
             if config.build and not (store.taskset(name) / "tasks.jsonl").is_file():
-                build_taskset(store, config.corpus, name, hidden, limits)
+                generation = generate.GenerationConfig()
+                if config.build_tasks_per_project is not None:
+                    generation = generation.model_copy(
+                        update={"max_tasks_per_project": config.build_tasks_per_project}
+                    )
+                build_taskset(store, config.corpus, name, hidden, limits, generation)
             env = _runtimes[key] = FeatureDeletion(
                 store, name, hidden_paths=hidden, limits=limits, binary=config.binary
             )
@@ -122,7 +131,14 @@ def _runtime_key(config: FeatureDeletionConfig) -> str:
     return json.dumps([getattr(config, f) for f in fields])
 
 
-def build_taskset(store: Store, corpus_name: str, name: str, hidden: list[Path], limits: Limits) -> None:
+def build_taskset(
+    store: Store,
+    corpus_name: str,
+    name: str,
+    hidden: list[Path],
+    limits: Limits,
+    generation: generate.GenerationConfig | None = None,
+) -> None:
     """Build the CI corpus and generate its taskset into the store (no network needed)."""
     if corpus_name != "ci":
         raise ValueError(
@@ -136,7 +152,7 @@ def build_taskset(store: Store, corpus_name: str, name: str, hidden: list[Path],
             for spec in load_manifest(manifest("ci"))
         ]
         tasks, _ = generate.generate(
-            projects, store, sandbox, generate.GenerationConfig(), limits.test(), limits.probe()
+            projects, store, sandbox, generation or generate.GenerationConfig(), limits.test(), limits.probe()
         )
     out = store.taskset(name)
     out.mkdir(parents=True, exist_ok=True)
