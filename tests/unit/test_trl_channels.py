@@ -11,8 +11,12 @@ integration feeds them the same data, normalizers and scaling as our trainer doe
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -280,3 +284,20 @@ def test_bad_channel_configs_are_refused(tmp_path: Path, tokenizer: Any) -> None
         _trainer(tmp_path, tokenizer, TRLChannels(loss=_loss_config(0.0, 0.5)))
     with pytest.raises(ValueError, match=r"loss\.rl is not used"):
         _trainer(tmp_path, tokenizer, TRLChannels(loss=LossConfig.model_validate({"rl": {"kl_coef": 0.1}})))
+
+
+@pytest.mark.slow  # ~35 s of CPU: TRL generates with the tiny model
+def test_example_script_trains(tmp_path: Path) -> None:
+    """``examples/trl_sdpo_replay.py`` runs a step: failed rollouts get hints, and the replay loss
+    starts at log 2 (the pairs' reference is the initial policy, scored by ``ReferenceScorer``)."""
+    script = Path(__file__).resolve().parents[2] / "examples" / "trl_sdpo_replay.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--max-steps", "1", "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [ast.literal_eval(line) for line in done.stdout.splitlines() if line.startswith("{'step': 1,")]
+    (first,) = records
+    assert first["sdpo/num_hinted"] >= 1
+    assert first["loss/sdpo"] > 0
+    assert first["loss/replay"] == pytest.approx(math.log(2), abs=1e-4)
