@@ -14,17 +14,63 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "prime_composer"
 
-ABOVE_CONFIG = ("launch", "eval", "orchestrator", "trainer", "diloco", "inference", "teacher", "channels")
+ABOVE_CONFIG = (
+    "launch", "eval", "orchestrator", "trainer", "diloco", "inference", "teacher", "channels", "integrations",
+)  # fmt: skip
 FORBIDDEN = {
-    "inference": ("launch", "eval", "orchestrator", "trainer", "diloco", "teacher", "channels", "prime_rl"),
-    "diloco": ("launch", "eval", "orchestrator", "trainer", "inference", "teacher", "channels", "prime_rl"),
+    "inference": (
+        "launch",
+        "eval",
+        "orchestrator",
+        "trainer",
+        "diloco",
+        "teacher",
+        "channels",
+        "prime_rl",
+        "integrations",
+    ),
+    "diloco": (
+        "launch",
+        "eval",
+        "orchestrator",
+        "trainer",
+        "inference",
+        "teacher",
+        "channels",
+        "prime_rl",
+        "integrations",
+    ),
     "config": (*ABOVE_CONFIG, "prime_rl", "transport", "client", "sandbox", "wire"),
     "client": (*ABOVE_CONFIG, "prime_rl", "transport"),
     "transport": (*ABOVE_CONFIG, "prime_rl"),
     "wire": (*ABOVE_CONFIG, "prime_rl", "transport", "client"),
-    "teacher": ("launch", "eval", "orchestrator", "trainer", "diloco", "channels", "prime_rl"),
-    "prime_rl": ("launch", "eval", "orchestrator", "trainer", "diloco", "inference", "teacher", "channels"),
+    "teacher": (
+        "launch",
+        "eval",
+        "orchestrator",
+        "trainer",
+        "diloco",
+        "channels",
+        "prime_rl",
+        "integrations",
+    ),
+    "prime_rl": (
+        "launch",
+        "eval",
+        "orchestrator",
+        "trainer",
+        "diloco",
+        "inference",
+        "teacher",
+        "channels",
+        "integrations",
+    ),
     "registry.py": ("*",),
+    # The framework bridges sit above orchestrator and trainer; nothing below imports them.
+    "orchestrator": ("integrations",),
+    "trainer": ("integrations",),
+    "channels": ("integrations",),
+    "launch": ("integrations",),
 }
 """Package (or top-level module) -> the packages of ``prime_composer`` it must not import (``*``:
 none at all)."""
