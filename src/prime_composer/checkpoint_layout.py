@@ -213,23 +213,25 @@ class StepCheckpoints:
         """Where ``part`` of ``step`` is written before it is published (``step_<N>/.<part>.tmp``)."""
         return step_dir(self.root, step) / f".{part}.tmp"
 
-    def write_part(self, step: int, part: str, write: Callable[[Path], None]) -> Path:
+    def write_part(self, step: int, part: str, write: Callable[[Path], None], commit: bool = True) -> Path:
         """``write(tmp)`` for one process's whole part, then ``publish`` it; a failure of either is a
-        ``CheckpointWriteError`` (partial files removed) naming the newest complete step."""
+        ``CheckpointWriteError`` (partial files removed) naming the newest complete step.
+        ``commit=False``: publish only, the writer of the step's other parts commits it (the trainer,
+        after the DiLoCo part, with its own ``keep``)."""
         tmp = self.tmp_dir(step, part)
         try:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
             tmp.mkdir(parents=True)
             write(tmp)
             write_manifest(tmp)
-            return self.publish(step, part)
+            return self.publish(step, part, commit=commit)
         except OSError as e:
             raise self.failed(step, part, e) from e
 
-    def publish(self, step: int, part: str) -> Path:
+    def publish(self, step: int, part: str, commit: bool = True) -> Path:
         """Rename ``part``'s written tmp dir (holding its ``MANIFEST.json``) into place, write its
-        marker, then ``commit`` the step if it is now complete. Re-publishing a part replaces it
-        (the step is uncommitted first)."""
+        marker, then (``commit``) ``commit`` the step if it is now complete. Re-publishing a part
+        replaces it (the step is uncommitted first)."""
         final = step_dir(self.root, step) / part
         marker = marker_path(self.root, step, part)
         if final.exists() or marker.exists():
@@ -239,7 +241,8 @@ class StepCheckpoints:
         os.replace(self.tmp_dir(step, part), final)
         _fsync_dir(final.parent)
         atomic_write_text(marker, json.dumps({"step": step, "part": part, "parts": list(self.parts)}) + "\n")
-        self.commit(step)
+        if commit:
+            self.commit(step)
         return final
 
     def failed(self, step: int, part: str, error: BaseException) -> CheckpointWriteError:

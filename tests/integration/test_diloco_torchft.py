@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from prime_composer.config.diloco import DilocoConfig, TorchftConfig
+from prime_composer.config.ports import free_port
 from prime_composer.diloco.base import OuterLoop, build_outer_loop
-from prime_composer.diloco.toy import free_port
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -17,7 +17,7 @@ import torch
 from prime_composer.config.base import ModelConfig
 from prime_composer.config.cli import run_entry_point
 from prime_composer.config.evaluate import EvalRunConfig, resolve_kwargs
-from prime_composer.diloco.toy import free_port
+from prime_composer.config.ports import free_port
 from prime_composer.eval.main import run
 from prime_composer.trainer.model import load_model
 from prime_composer.transport.weights import publish_weights

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import pytest
 from tool_call_model import ANSWER, PARIS, TOOLS, tool_caller_dir
 
 from prime_composer.config.inference import InferenceConfig
+from prime_composer.config.ports import free_port
 from prime_composer.inference.local import running_server
 
 VLLM_PYTHON = Path(os.environ.get("PRIME_COMPOSER_VLLM_PYTHON", ".vllm-cpu/bin/python")).absolute()
@@ -198,12 +198,6 @@ def test_hf_flags_calls_of_tools_not_offered(hf_backend: Backend) -> None:
 # ----------------------------------------------------------------------------- vLLM
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def vllm_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
     if not VLLM_PYTHON.is_file():
@@ -212,7 +206,7 @@ def vllm_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
     path = tool_caller_dir()
     config = InferenceConfig(
         backend="vllm",
-        port=_free_port(),
+        port=free_port(),
         output_dir=tmp / "run",
         model={"name": str(path), "dtype": "float32"},
         max_model_len=1024,

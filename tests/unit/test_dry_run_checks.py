@@ -6,7 +6,6 @@ out of range and quoted numbers; the standalone ``inference`` refuses a bad bind
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from prime_composer.config.errors import ConfigError
+from prime_composer.config.ports import free_port
 from prime_composer.config.resolve import resolve_rl_config
 from prime_composer.launch import rl
 from prime_composer.launch.preflight import _length_problems
@@ -27,12 +27,6 @@ def dry_run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     with pytest.raises(SystemExit) as exit_info:
         rl.main(["@", QUICKSTART, *argv, "--dry-run"])
     return int(exit_info.value.code or 0), capsys.readouterr().err
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_the_quickstart_passes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -80,7 +74,7 @@ def test_dry_run_names_the_problem(
 def test_wandb_online_without_a_server_fails_before_the_run_dir(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)

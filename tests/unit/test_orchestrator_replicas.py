@@ -78,12 +78,10 @@ def servers() -> Iterator[list[FakeServer]]:
 
 
 def refused_url() -> str:
-    """A loopback URL nothing listens on (a port just freed)."""
-    import socket
+    """A loopback URL nothing listens on (a free port)."""
+    from prime_composer.config.ports import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    return f"http://127.0.0.1:{free_port()}/v1"
 
 
 def test_calls_go_to_the_replica_with_fewest_in_flight() -> None:

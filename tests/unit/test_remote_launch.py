@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from prime_composer.config.errors import ConfigError, RunError
+from prime_composer.config.ports import free_port
 from prime_composer.config.rl import RLConfig
 from prime_composer.launch import remote
 from prime_composer.transport.remote import latest_step
@@ -90,9 +91,7 @@ def test_rl_stops_when_a_worker_never_answers_and_closes_the_origin(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TEST_WEIGHTS_SECRET", SECRET)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        nobody = s.getsockname()[1]
+    nobody = free_port()
     config = _config(tmp_path, nobody, health_timeout_s=1.0)
     with pytest.raises(
         RunError, match=f"did not answer .*start it with: uv run inference .* --port {nobody}"

@@ -30,6 +30,9 @@ from prime_composer.netaddr import is_loopback
 Quantization = Literal["none", "int8", "int4"]
 DilocoBackend = Literal["shardcast", "torchft"]
 """The outer-loop backends, each registered under its literal in ``diloco/base.py``."""
+DilocoStoreName = Literal["shardcast"]
+"""The stores the ``shardcast`` backend exchanges payloads through, each registered under its
+literal in ``diloco/base.py`` (``STORES``)."""
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -185,6 +188,13 @@ class DilocoConfig(BaseConfig):
     ``torchft.local_sgd.DiLoCo`` with a lighthouse, for DCs that reach each other directly
     (gloo/NCCL); no quantization there."""
 
+    store: DilocoStoreName | None = None
+    """Where the ``shardcast`` backend publishes this DC's payloads and fetches its peers':
+    ``shardcast``, an HTTP(S) origin this DC serves (``host``/``port``) plus its peers' origins and
+    the relays (``diloco/shardcast_store.py``). None: ``shardcast``. Only with ``backend =
+    "shardcast"``; ``torchft`` exchanges through its own process group (setting it there is an
+    error)."""
+
     run_id: str = "prime-composer"
     """Name of the training run, carried in every payload: a DC rejects payloads of another run."""
 
@@ -328,6 +338,11 @@ class DilocoConfig(BaseConfig):
         return [self.relay] if isinstance(self.relay, str) else list(self.relay)
 
     @property
+    def store_name(self) -> DilocoStoreName:
+        """The store the ``shardcast`` backend uses: ``store``, or ``shardcast`` when unset."""
+        return self.store or "shardcast"
+
+    @property
     def steps_per_fragment(self) -> int:
         """H/P: inner steps between two consecutive fragment syncs."""
         return self.sync_every // self.num_fragments
@@ -385,6 +400,12 @@ class DilocoConfig(BaseConfig):
                 "to the name of an environment variable holding the run's shared secret"
             )
         if self.backend == "torchft":
+            if self.store is not None:
+                raise ValueError(
+                    f'diloco.store = "{self.store}" is a store of backend = "shardcast"; backend = '
+                    '"torchft" exchanges through torchft\'s process group: drop diloco.store or use '
+                    'backend = "shardcast"'
+                )
             if self.quantization != "none":
                 raise ValueError(
                     f'diloco.quantization = "{self.quantization}" is not available with backend = '

@@ -6,6 +6,9 @@ Rule, per leaf (e.g. ``model.name``, ``max_steps``):
 - not set at the top but set by sections (PRIME-RL's ``--trainer @ t.toml`` form): they must
   agree, and the agreed value becomes the top-level one and reaches the other sections;
 - set nowhere: the top-level default reaches every section.
+
+A nested section (``model``, ``transport.weights_origin``) is unified leaf by leaf; an optional
+one (``X | None``) that is absent at the top or in some section is one value, compared whole.
 """
 
 from __future__ import annotations
@@ -31,7 +34,11 @@ def _unify(
     """Unify field ``name`` of ``top`` with the same field of each (section, object, explicit)."""
     top_value: Any = getattr(top, name)
     top_explicit = top_explicit and name in top.model_fields_set
-    if isinstance(top_value, BaseModel):
+    # A nested section is unified field by field where every copy of it is there; an optional one
+    # (``X | None``) absent at the top or in a section is one value, compared and copied whole.
+    if isinstance(top_value, BaseModel) and all(
+        isinstance(getattr(obj, name), BaseModel) for _, obj, _ in holders
+    ):
         for sub in type(top_value).model_fields:
             _unify(
                 top_value,
@@ -65,13 +72,22 @@ def _unify(
         top_value = first_value
     for _, obj, _ in holders:
         if getattr(obj, name) != top_value:
-            setattr(obj, name, top_value)
+            # A copy: sections never share one nested object (a change to one reaches no other).
+            setattr(
+                obj, name, top_value.model_copy(deep=True) if isinstance(top_value, BaseModel) else top_value
+            )
 
 
-def unify_shared_keys(config: Any, origins: dict[str, str]) -> Any:
-    """Apply the rule above to every key in ``SHARED_KEYS``, in place; returns ``config``."""
-    for key in SHARED_KEYS:
-        present = [s for s in SECTIONS if getattr(config, s) is not None]  # optional sections may be absent
+def unify_shared_keys(
+    config: Any,
+    origins: dict[str, str],
+    keys: tuple[str, ...] = SHARED_KEYS,
+    sections: tuple[str, ...] = SECTIONS,
+) -> Any:
+    """Apply the rule above to every key in ``keys`` (``SHARED_KEYS``) across ``sections`` (every
+    process's), in place; returns ``config``."""
+    for key in keys:
+        present = [s for s in sections if getattr(config, s) is not None]  # optional sections may be absent
         holders = [
             (section, getattr(config, section), True)
             for section in present

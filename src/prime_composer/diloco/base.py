@@ -1,5 +1,6 @@
 """The contracts of the DiLoCo outer loop: ``OuterLoop`` (what the trainer calls), ``Store`` (where
-the shardcast loop's payloads go), and the registry of outer loops keyed by ``diloco.backend``.
+the shardcast loop's payloads go), and their registries, keyed by ``diloco.backend`` and
+``diloco.store``.
 
 The trainer sees only ``OuterLoop``::
 
@@ -18,6 +19,12 @@ A backend is a class registered under its ``diloco.backend`` literal with
 mypy checks that the instances it builds are ``OuterLoop``s. ``shardcast`` (``loop.py``) exchanges
 signed, quantized payloads through a ``Store``; ``torchft`` (``torchft_backend.py``) runs
 ``torchft.local_sgd.DiLoCo``. The checkpoint part both write is ``part.py``'s.
+
+A store is registered the same way, by its ``diloco.store`` literal, as a factory
+``(cfg, work_dir, secret) -> Store`` (``@register_store("shardcast")`` in ``shardcast_store.py``);
+the shardcast loop builds its store with ``build_store`` and never names a concrete class::
+
+    store = build_store(cfg, work_dir, secret)    # diloco.store = "shardcast": a ShardcastStore
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import Protocol, TypeVar
 import torch
 from torch import nn
 
-from prime_composer.config.diloco import DilocoBackend, DilocoConfig
+from prime_composer.config.diloco import DilocoBackend, DilocoConfig, DilocoStoreName
 from prime_composer.diloco.payload import Kind
 from prime_composer.registry import Registry
 
@@ -67,7 +74,8 @@ class OuterLoop(Protocol):
 
 
 class Store(Protocol):
-    """Where this DC publishes its payloads and fetches its peers' (``ShardcastStore``).
+    """Where this DC publishes its payloads and fetches its peers' (``diloco.store``; ``shardcast``:
+    ``ShardcastStore``, an origin this DC serves plus its peers' origins and relays).
 
     A payload is identified by its sender's cluster id, its ``Kind`` and its round; it is bytes the
     exchange has signed and verifies (``payload.py``), so a store only moves them. Every call is
@@ -128,3 +136,30 @@ def build_outer_loop(
 ) -> OuterLoop:
     """The outer loop of ``cfg.backend``."""
     return outer_loop_class(cfg.backend)(cfg, model, optimizer, work_dir)
+
+
+StoreFactory = Callable[[DilocoConfig, Path, bytes | None], Store]
+"""A store's constructor: ``(cfg, work dir, the run's secret or None)``; it starts serving."""
+
+STORES: Registry[StoreFactory] = Registry(
+    "diloco.store", {"shardcast": "prime_composer.diloco.shardcast_store"}
+)
+"""The registered stores by ``diloco.store`` literal, each imported on first use."""
+
+_StoreFactory = TypeVar("_StoreFactory", bound=StoreFactory)
+
+
+def register_store(name: DilocoStoreName) -> Callable[[_StoreFactory], _StoreFactory]:
+    """Register a store's factory under its ``diloco.store`` literal (mypy checks that it builds a
+    ``Store`` from ``(cfg, work_dir, secret)``)."""
+
+    def register(factory: _StoreFactory) -> _StoreFactory:
+        STORES.register(name, factory)
+        return factory
+
+    return register
+
+
+def build_store(cfg: DilocoConfig, work_dir: Path, secret: bytes | None) -> Store:
+    """The store of ``cfg.store`` for this DC (its module is imported here)."""
+    return STORES.get_or_load(cfg.store_name)(cfg, work_dir, secret)

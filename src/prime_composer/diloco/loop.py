@@ -49,7 +49,7 @@ from torch import nn
 from prime_composer.checkpoint_layout import step_dir
 from prime_composer.config.diloco import DilocoConfig
 from prime_composer.config.errors import RunError
-from prime_composer.diloco.base import Store, register_outer_loop
+from prime_composer.diloco.base import Store, build_store, register_outer_loop
 from prime_composer.diloco.exchange import Exchange, RoundResult
 from prime_composer.diloco.fragments import Fragment, split_fragments
 from prime_composer.diloco.part import CHECKPOINT_PART, read_part, write_part
@@ -74,12 +74,10 @@ def read_secret(cfg: DilocoConfig) -> bytes | None:
 
 
 def make_store(cfg: DilocoConfig, work_dir: Path, secret: bytes | None) -> Store | None:
-    """The shardcast store of this DC, or None for a run without peers."""
+    """The store of this DC (``diloco.store``, from the registry), or None for a run without peers."""
     if not cfg.peers:
         return None
-    from prime_composer.diloco.shardcast_store import ShardcastStore
-
-    return ShardcastStore.from_config(cfg, work_dir, secret)
+    return build_store(cfg, work_dir, secret)
 
 
 @register_outer_loop("shardcast")

@@ -60,6 +60,7 @@ from shardcast.client import ServerMetrics, ShardDownloader
 from shardcast.utils import compute_checksum, get_shard_count, get_shard_filename, update_distribution_file
 
 from prime_composer.config.diloco import parse_relay
+from prime_composer.diloco.base import register_store
 from prime_composer.diloco.payload import Kind
 from prime_composer.diloco.relay import RelayClient, RelayGroup
 from prime_composer.io import atomic_write_bytes
@@ -558,3 +559,9 @@ class ShardcastStore:
             self.relay.close()
         for d in self._downloaders.values():
             d.close()
+
+
+@register_store("shardcast")
+def shardcast_store(cfg: DilocoConfig, work_dir: Path, secret: bytes | None) -> ShardcastStore:
+    """``diloco.store = "shardcast"``: ``ShardcastStore.from_config``."""
+    return ShardcastStore.from_config(cfg, work_dir, secret)

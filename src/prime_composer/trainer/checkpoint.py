@@ -134,14 +134,16 @@ class CheckpointManager:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         extra: dict[str, Any] | None = None,
         states: dict[str, Any] | None = None,
+        model_name: str | None = None,
     ) -> Path:
         """Write this part of ``step`` and mark it complete; then drop all but the newest ``keep``.
 
         ``extra`` is saved as JSON (e.g. data position, counters) and returned by ``load``; it must
         be JSON-serializable. ``states`` are more objects saved with DCP next to model and optimizer
         (``Stateful``: ``state_dict()`` / ``load_state_dict()``, e.g. the SDPO teacher), by name; their
-        names go into ``meta.json`` so ``load`` can say when one is missing. Returns the part's
-        directory. Re-saving an existing step replaces it.
+        names go into ``meta.json`` so ``load`` can say when one is missing. ``model_name``: what
+        built ``model`` (``model.name``), recorded so that ``load`` refuses another. Returns the
+        part's directory. Re-saving an existing step replaces it.
         """
         extra = dict(extra or {})
         states = _check_states(states)
@@ -155,7 +157,7 @@ class CheckpointManager:
         started = time.perf_counter()
         tmp = self.steps.tmp_dir(step, self.part)
         try:
-            self._write(tmp, step, model, optimizer, scheduler, extra, states)
+            self._write(tmp, step, model, optimizer, scheduler, extra, states, model_name)
             # Rank 0 publishes (rename, marker) and commits the step if the other parts are there.
             if self.world.is_main:
                 self.steps.publish(step, self.part)
@@ -184,6 +186,7 @@ class CheckpointManager:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         extra: dict[str, Any],
         states: dict[str, Any],
+        model_name: str | None = None,
     ) -> None:
         """Every rank's files into ``tmp``, then (rank 0) the metadata and the manifest."""
         import torch.distributed.checkpoint as dcp
@@ -210,6 +213,7 @@ class CheckpointManager:
                 "time": time.time(),
                 "extra": extra,
                 "states": sorted(states),
+                "model": model_name,
             }
             atomic_write_text(tmp / META_FILE, json.dumps(meta, indent=2) + "\n")
         self.world.barrier()  # every rank's files are written (DCP fsyncs its own)
@@ -267,8 +271,9 @@ class CheckpointManager:
         """Restore model, optimizer, scheduler, ``states`` (by the names given to ``save``) and this
         rank's RNG from ``step`` (``None``: the newest complete one) and return the ``extra`` dict
         given to ``save``. A requested state the checkpoint lacks is a ``ValueError``, and so is a
-        checkpoint of another architecture than ``model`` (``check_architecture``; ``model_name``:
-        what built ``model``, for the message).
+        checkpoint of another architecture than ``model`` (``check_architecture``) or, with
+        ``model_name`` (what built ``model``), one trained from another model name
+        (``check_model_name``: a same-shaped model of another name passes the shape check).
 
         ``model`` and ``optimizer`` must be built (and sharded) the same way as when saving; the
         number of ranks may differ (DCP reshards). Use ``resolve_step`` to learn the step first.
@@ -293,6 +298,7 @@ class CheckpointManager:
                 "resume with the settings it was saved with"
             )
         check_architecture(directory, model, model_name)
+        check_model_name(directory, meta, model_name)
         state = _dcp_state(model, optimizer) | states
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(directory / MODEL_OPTIM_DIR), no_dist=_no_dist())
@@ -416,6 +422,29 @@ def check_architecture(part: Path, model: nn.Module, model_name: str | None = No
         f"the checkpoint {part} holds another model than model.name = {model_name!r} builds: "
         f"{'; '.join(problems)}. It was trained from {trained_from}: use that model (and dtype), or "
         "another checkpoint"
+    )
+
+
+def recorded_model_name(meta: dict[str, Any]) -> str | None:
+    """The model a part's ``meta.json`` says it was trained from: ``save``'s ``model_name``, else
+    the trainer's ``extra["model"]["name"]`` (checkpoints from before the manager recorded it);
+    None when neither is there."""
+    name = meta.get("model")
+    if name is None:
+        recorded = (meta.get("extra") or {}).get("model")
+        name = recorded.get("name") if isinstance(recorded, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def check_model_name(part: Path, meta: dict[str, Any], model_name: str | None) -> None:
+    """Refuse to load ``part`` into a model built from another ``model.name`` than the one it was
+    trained from (one-line ``ValueError`` naming both); nothing to check when either is unknown."""
+    saved = recorded_model_name(meta)
+    if model_name is None or saved is None or saved == model_name:
+        return
+    raise ValueError(
+        f"the checkpoint {part} was trained from model.name = {saved!r}, but this run's model.name is "
+        f"{model_name!r}: resume with the model it was trained from, or start a new run (another output_dir)"
     )
 
 

@@ -154,7 +154,7 @@ def _train(cfg: SFTConfig, world: World) -> None:
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.max_steps)
 
     if resuming:
-        extra = checkpoints.load(start, model, optimizer, scheduler)
+        extra = checkpoints.load(start, model, optimizer, scheduler, model_name=cfg.model.name)
         if extra.get("num_samples") != len(samples):
             raise ValueError(
                 f"the checkpoint of step {start} was trained on {extra.get('num_samples')} conversations, "
@@ -203,7 +203,14 @@ def _train(cfg: SFTConfig, world: World) -> None:
             )
         periodic = cfg.ckpt.interval and done % cfg.ckpt.interval == 0
         if periodic or (cfg.ckpt.at_end and done == cfg.max_steps):
-            checkpoints.save(done, model, optimizer, scheduler, extra={"num_samples": len(samples)})
+            checkpoints.save(
+                done,
+                model,
+                optimizer,
+                scheduler,
+                extra={"num_samples": len(samples)},
+                model_name=cfg.model.name,
+            )
 
     final = save_hf_directory(model, tokenizer, run_dir / "final", world)
     if world.is_main:
