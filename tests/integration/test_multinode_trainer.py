@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from prime_composer.checkpoint_layout import DEFAULT_PARTS
+from prime_composer.config.ports import free_port
 from prime_composer.config.transport import TransportConfig
 from prime_composer.metrics import read_metrics
 from prime_composer.orchestrator.packing import pack_step
@@ -64,12 +64,6 @@ def _orchestrate(output_dir: Path, num_ranks: int = NUM_RANKS) -> None:
         sender.send(step, batches)
     for step in (2, MAX_STEPS):
         OrchestratorState(step=step).save(output_dir / "checkpoints", keep=3, parts=DEFAULT_PARTS)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _rl(output_dir: Path, *extra: str, prefix: list[str] | None = None) -> subprocess.Popen[str]:
@@ -137,7 +131,7 @@ def _losses(output_dir: Path) -> dict[int, float]:
 
 
 def _two_nodes(output_dir: Path, *extra: str) -> set[str]:
-    nodes = ["--launch.nodes", "2", "--launch.rdzv-endpoint", f"127.0.0.1:{_free_port()}"]
+    nodes = ["--launch.nodes", "2", "--launch.rdzv-endpoint", f"127.0.0.1:{free_port()}"]
     procs = [_rl(output_dir, *nodes, "--launch.node-rank", str(k), *extra) for k in (1, 0)]
     return _wait(procs, watch=True)
 
