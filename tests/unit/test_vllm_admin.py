@@ -33,6 +33,7 @@ from prime_composer.inference.vllm.admin import (
 from prime_composer.inference.vllm.extension import WeightUpdateExtension
 from prime_composer.integrity import write_manifest
 from prime_composer.transport.adapter import publish_adapter
+from prime_composer.wire.auth import inference_signer
 
 SECRET = "s3cret-value"
 
@@ -261,7 +262,16 @@ def test_vllm_routes_need_the_secret_too(root: Path, monkeypatch: pytest.MonkeyP
     for headers in ({}, {"Authorization": "Bearer nope"}):
         response = client.get("/v1/models", headers=headers)  # one of vLLM's own routes
         assert response.status_code == 401 and response.json()["error"]["code"] == 401
-    assert client.get("/v1/models", headers={"Authorization": f"Bearer {SECRET}"}).status_code == 200
+    # TestClient's peer is "testclient", another machine: a bearer token is refused from it.
+    assert client.get("/v1/models", headers={"Authorization": f"Bearer {SECRET}"}).status_code == 401
+    signer = inference_signer(SECRET)
+    assert signer is not None
+    assert (
+        client.get(
+            "/v1/models", headers=signer.headers("GET", "http://testserver/v1/models", b"")
+        ).status_code
+        == 200
+    )
     assert client.get("/health").status_code == 200  # the one open route
 
 

@@ -68,9 +68,22 @@ class InferenceConfig(BaseConfig):
     """TCP port of the OpenAI-compatible API."""
 
     secret_env: str | None = None
-    """Name of the environment variable holding the shared secret. When set, every route except
-    ``/health`` (generation, ``/v1/models``, ``/update_weights``, ``/reload_weights``) requires
-    ``Authorization: Bearer <secret>``; required when ``host`` is not loopback."""
+    """Name of the environment variable holding the shared secret; required when ``host`` is not
+    loopback. When set, every route except ``/health`` (generation, ``/v1/models``,
+    ``/update_weights``, ``/reload_weights``) requires a request signed with a key derived from it
+    (``X-Prime-Composer-Auth``, what the orchestrator sends: the secret never crosses the wire),
+    or ``Authorization: Bearer <secret>`` from this machine (OpenAI clients on loopback)."""
+
+    private_network: bool = False
+    """Accept ``Authorization: Bearer <secret>`` from other machines too (OpenAI clients that
+    cannot sign requests). Only where every link to the server is private: a bearer token seen on
+    the wire lets anyone call the server. Off, a bearer token from another machine is a 401."""
+
+    audience: str | None = None
+    """The ``host:port`` clients address this server by (e.g. ``10.0.0.2:8000``). Set, a signed
+    request addressed to another server is refused, so one captured on the way to another replica
+    cannot be replayed here; ``None`` accepts any address (replays to this server are refused
+    either way)."""
 
     max_request_bytes: int = Field(default=8 * 2**20, ge=1024)
     """Largest request body accepted, in bytes (default 8 MiB); a larger one is answered 413

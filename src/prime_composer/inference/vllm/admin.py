@@ -45,7 +45,8 @@ runs before vLLM's routing, so these paths win over vLLM's own routes of the sam
 0.32 has its own ``/update_weights`` for NCCL weight transfer, with another body).
 
 Settings come from the launcher through the environment variable ``PRIME_COMPOSER_VLLM_ADMIN``
-(JSON: ``broadcast_root``, ``secret_env``, ``served_model_name``, ``max_request_bytes``); the
+(JSON: ``broadcast_root``, ``secret_env``, ``served_model_name``, ``max_request_bytes``,
+``private_network``, ``audience``); the
 secret itself is read from the variable named by ``secret_env``, never passed on a command line.
 The launcher imports this module too (for those settings), so torch is only imported where a
 route needs it.
@@ -91,10 +92,15 @@ def admin_settings(
     secret_env: str | None,
     served_model_name: str,
     max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    *,
+    private_network: bool = False,
+    audience: str | None = None,
 ) -> str:
     """The value of ``PRIME_COMPOSER_VLLM_ADMIN`` the launcher sets for vLLM's process."""
     return json.dumps(
         {
+            "private_network": private_network,
+            "audience": audience,
             "broadcast_root": str(Path(broadcast_root).resolve()),
             "secret_env": secret_env,
             "served_model_name": served_model_name,
@@ -132,6 +138,8 @@ class AdminRoutesMiddleware:
             self._dispatch,
             secret=self.secret,
             max_body_bytes=int(settings.get("max_request_bytes", DEFAULT_MAX_BODY_BYTES)),
+            private_network=bool(settings.get("private_network", False)),
+            audience=settings.get("audience"),
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -214,6 +214,8 @@ def build_vllm_env(config: InferenceConfig, base_env: dict[str, str] | None = No
         config.secret_env,
         config.served_model_name or config.model.name,
         config.max_request_bytes,
+        private_network=config.private_network,
+        audience=config.audience,
     )
     source = source_root()
     if source is not None:
