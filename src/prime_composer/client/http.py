@@ -25,7 +25,12 @@ What does not use it: the rollout harness's raw token path (``orchestrator/harne
 calls go to verifiers' per-rollout interception endpoint with vLLM's extra fields
 (``return_token_ids``) and must not be retried here: the interception records every call as a
 turn of the trace, so a transparent retry would record one turn twice. The harness fails the
-rollout instead, which is recorded as an error sample.
+rollout instead, which is recorded as an error sample. (Its ``Authorization`` header carries
+verifiers' per-rollout interception secret to a loopback server, not the inference secret.)
+Nor do the replica relay's forwarded calls (``orchestrator/replicas.py``: raw bytes and headers
+relayed as they came, its own failover across replicas; its health probes do use this client),
+nor the links between machines (``wire/fetch.py``: synchronous, a byte cap and a wall-clock
+deadline for the whole download, and a layer below this one).
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ class InferenceConfig(BaseConfig):
 
     # --- weights from another machine (transport/remote.py) ---
     weights_origin: str | None = None
-    """``hf`` backend on a machine that shares no folder with the trainer: where each step named
+    """Both backends, on a machine that shares no folder with the trainer: where each step named
     by ``/update_weights`` is fetched from (``https://host:port@sha256:<fingerprint>``, served by
     ``python -m prime_composer.transport.remote serve``; ``http://host:port`` on loopback only),
     into ``<output_dir>/broadcasts``, verified before it is loaded. Needs ``weights_secret_env``."""
@@ -170,8 +170,6 @@ class InferenceConfig(BaseConfig):
     def _check_weights_origin(self) -> Self:
         if self.weights_origin is None:
             return self
-        if self.backend != "hf":
-            raise ValueError('inference.weights_origin is only implemented for backend = "hf"')
         if self.weights_secret_env is None:
             raise ValueError("inference.weights_origin is set but inference.weights_secret_env is not")
         url, _, pin = self.weights_origin.partition("@")

@@ -46,7 +46,8 @@ runs before vLLM's routing, so these paths win over vLLM's own routes of the sam
 
 Settings come from the launcher through the environment variable ``PRIME_COMPOSER_VLLM_ADMIN``
 (JSON: ``broadcast_root``, ``secret_env``, ``served_model_name``, ``max_request_bytes``,
-``private_network``, ``audience``); the
+``private_network``, ``audience``, ``weights_origin``: then each step ``/update_weights`` names is
+fetched from the trainer side's weights origin and verified first, as on the ``hf`` backend); the
 secret itself is read from the variable named by ``secret_env``, never passed on a command line.
 The launcher imports this module too (for those settings), so torch is only imported where a
 route needs it.
@@ -95,10 +96,13 @@ def admin_settings(
     *,
     private_network: bool = False,
     audience: str | None = None,
+    weights_origin: dict[str, str | None] | None = None,
 ) -> str:
-    """The value of ``PRIME_COMPOSER_VLLM_ADMIN`` the launcher sets for vLLM's process."""
+    """The value of ``PRIME_COMPOSER_VLLM_ADMIN`` the launcher sets for vLLM's process
+    (``weights_origin``: ``{"url", "fingerprint", "secret_env"}`` of ``inference.weights_origin``)."""
     return json.dumps(
         {
+            "weights_origin": weights_origin,
             "private_network": private_network,
             "audience": audience,
             "broadcast_root": str(Path(broadcast_root).resolve()),
@@ -107,6 +111,18 @@ def admin_settings(
             "max_request_bytes": max_request_bytes,
         }
     )
+
+
+def _remote(origin: dict[str, Any] | None) -> Any:
+    """The ``transport.remote.RemoteWeights`` weight updates fetch from (None: a shared folder)."""
+    if not origin:
+        return None
+    from prime_composer.transport.remote import RemoteWeights
+
+    secret = os.environ.get(origin["secret_env"] or "", "")
+    if not secret:
+        raise ValueError(f"inference.weights_secret_env = {origin['secret_env']!r} is unset or empty")
+    return RemoteWeights(origin["url"], origin["fingerprint"], secret.encode())
 
 
 class AdminRoutesMiddleware:
@@ -129,7 +145,7 @@ class AdminRoutesMiddleware:
         self.secret = os.environ.get(secret_env) if secret_env else None
         if secret_env and not self.secret:
             raise ValueError(f"inference.secret_env = {secret_env!r}, but that variable is unset or empty")
-        self.updates = WeightUpdates(self.broadcast_root)
+        self.updates = WeightUpdates(self.broadcast_root, _remote(settings.get("weights_origin")))
         self.adapter: str | None = None  # the LoRA adapter generation requests are routed to
         self.unknown_calls = UnknownCallStats()
         self._chat_fields: frozenset[str] | bool | None = False  # False: not looked up yet
