@@ -154,8 +154,8 @@ def test_the_hf_server_with_a_weights_origin_takes_the_orchestrators_request(
             assert client.get("/health").json()["weights"]["step"] == 3
     finally:
         origin.close()
-    with pytest.raises(ValueError, match="weights_origin is only implemented"):
-        InferenceConfig(backend="vllm", weights_origin="http://127.0.0.1:1", weights_secret_env="W")
+    # Both backends take it (the vllm one: tests/unit/test_vllm_admin.py).
+    assert InferenceConfig(backend="vllm", weights_origin="http://127.0.0.1:1", weights_secret_env="W")
     with pytest.raises(ValueError, match="pin the certificate"):
         InferenceConfig(weights_origin="https://10.0.0.5:7900", weights_secret_env="W")
     with pytest.raises(ValueError, match="plain HTTP off loopback"):

@@ -4,7 +4,9 @@ in the other, started with the command ``rl`` prints from a copy of the worker c
 in a mount namespace where the trainer's ``output_dir`` is hidden under an empty tmpfs (so no
 file can come from it). ``rl`` serves the steps over pinned TLS with the certificate it made; the
 worker fetches each step the orchestrator names, and what it serves is, byte for byte, what the
-trainer published. Needs root and ``unshare``; skipped with the reason otherwise."""
+trainer published. Every byte on the worker's link is recorded: neither secret crosses it, and the
+orchestrator's calls to the worker are signed, with no bearer token. Needs root and ``unshare``;
+skipped with the reason otherwise."""
 
 from __future__ import annotations
 
@@ -86,6 +88,7 @@ def test_rl_feeds_a_worker_in_another_namespace_that_shares_no_folder(tmp_path: 
     }
     rl_log, worker_log = tmp_path / "rl.log", tmp_path / "worker.log"
     with NetSim(num_dcs=2, rate_mbit=200) as net:
+        capture = net.capture(1, str(tmp_path / "wire.bin"), max_bytes=512 << 20)
         rl = subprocess.Popen(
             [*net.prefix(0), sys.executable, "-m", "prime_composer.launch.rl", "@", str(tmp_path / "run.toml"),
              "--output-dir", str(out)],
@@ -119,10 +122,17 @@ def test_rl_feeds_a_worker_in_another_namespace_that_shares_no_folder(tmp_path: 
                 capture_output=True, text=True, timeout=30, check=True,
             )  # fmt: skip
         finally:
-            for proc in (rl, worker):
+            for proc in (rl, worker, capture):
                 if proc is not None and proc.poll() is None:
                     proc.terminate()
                     proc.wait(timeout=30)
+    # Everything on the worker's link: neither secret, no bearer token; the orchestrator's calls
+    # (plain HTTP here, so readable) carry signatures instead.
+    wire = (tmp_path / "wire.bin").read_bytes()
+    assert b"X-Prime-Composer-Auth" in wire and b"/update_weights" in wire
+    for secret in (env["TEST_INFERENCE_SECRET"], env["TEST_WEIGHTS_SECRET"]):
+        assert secret.encode() not in wire
+    assert b"authorization" not in wire.lower() and b"bearer" not in wire.lower()
     assert (
         record["weights_origin"].startswith("https://10.77.0.1:") and "@sha256:" in record["weights_origin"]
     )

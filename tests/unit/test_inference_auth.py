@@ -6,6 +6,10 @@ small Starlette app standing for either backend.
 
 from __future__ import annotations
 
+import json
+import time
+from typing import Any
+
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -17,6 +21,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.inference.auth import bearer_error, is_loopback, resolve_admin_secret
 from prime_composer.inference.guard import RequestGuard
+from prime_composer.wire.auth import INFERENCE_HEADER, Signer, hkdf_sha256, inference_signer, transport_key
 
 SECRET = "s3cret-value"
 
@@ -77,7 +82,14 @@ def test_bearer_error():
         assert "right" not in refusal  # the secret is never echoed
 
 
-def _guarded_client(secret: str | None, max_body_bytes: int = 1024) -> TestClient:
+def _guarded_client(
+    secret: str | None,
+    max_body_bytes: int = 1024,
+    peer: str = "127.0.0.1",
+    **options: Any,
+) -> TestClient:
+    """The guard around an echo app, called from ``peer`` (loopback unless told)."""
+
     async def echo(request: Request) -> JSONResponse:
         body = await request.body()
         return JSONResponse({"path": request.url.path, "num_bytes": len(body)})
@@ -91,7 +103,8 @@ def _guarded_client(secret: str | None, max_body_bytes: int = 1024) -> TestClien
         Route(p, echo, methods=["GET", "POST"]) for p in ("/health", "/v1/models", "/v1/chat/completions")
     ]
     app = Starlette(routes=[*routes, WebSocketRoute("/ws", socket)])
-    return TestClient(RequestGuard(app, secret=secret, max_body_bytes=max_body_bytes))
+    guarded = RequestGuard(app, secret=secret, max_body_bytes=max_body_bytes, **options)
+    return TestClient(guarded, client=(peer, 50000))
 
 
 def test_every_route_but_health_needs_the_secret():
@@ -110,6 +123,96 @@ def test_every_route_but_health_needs_the_secret():
     assert closed.value.code == 1008
     with client.websocket_connect("/ws", headers=auth) as ws:
         assert ws.receive_text() == "hello"
+
+
+def _signer() -> Signer:
+    signer = inference_signer(SECRET)
+    assert signer is not None
+    return signer
+
+
+def test_bearer_from_another_machine_is_refused_unless_the_network_is_private():
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    remote = _guarded_client(SECRET, peer="10.0.0.9")
+    response = remote.post("/v1/chat/completions", headers=auth)
+    assert response.status_code == 401
+    message = response.json()["error"]["message"]
+    assert "only from this machine" in message and "inference.private_network" in message
+    assert SECRET not in response.text
+    private = _guarded_client(SECRET, peer="10.0.0.9", private_network=True)
+    assert private.post("/v1/chat/completions", headers=auth).json()["path"] == "/v1/chat/completions"
+    assert private.post("/v1/chat/completions", headers={"Authorization": "Bearer no"}).status_code == 401
+
+
+def test_signed_requests_pass_from_anywhere_and_replays_do_not():
+    client = _guarded_client(SECRET, peer="10.0.0.9")
+    signer = _signer()
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    url = "http://testserver/v1/chat/completions"
+    headers = signer.headers("POST", url, body)
+    assert SECRET not in json.dumps(headers)
+    first = client.post("/v1/chat/completions", content=body, headers=headers)
+    assert first.status_code == 200 and first.json() == {
+        "path": "/v1/chat/completions",
+        "num_bytes": len(body),
+    }
+    replayed = client.post("/v1/chat/completions", content=body, headers=headers)
+    assert replayed.status_code == 401 and "replayed" in replayed.json()["error"]["message"]
+    # A fresh signature for every request: a GET, and the query string is covered too.
+    get = signer.headers("GET", "http://testserver/v1/models?x=1", b"")
+    assert client.get("/v1/models?x=1", headers=get).status_code == 200
+    wrong_query = signer.headers("GET", "http://testserver/v1/models?x=1", b"")
+    assert client.get("/v1/models?x=2", headers=wrong_query).status_code == 401
+    # The signature covers the body and the path: altered, it is refused.
+    altered = signer.headers("POST", url, body)
+    assert client.post("/v1/chat/completions", content=body + b" ", headers=altered).status_code == 401
+    moved = signer.headers("POST", url, body)
+    assert client.post("/update_weights", content=body, headers=moved).status_code == 401
+    with client.websocket_connect("/ws", headers=signer.headers("GET", "ws://testserver/ws", b"")) as ws:
+        assert ws.receive_text() == "hello"
+
+
+def test_signatures_of_other_keys_times_and_servers_are_refused():
+    client = _guarded_client(SECRET, peer="10.0.0.9", audience="10.0.0.2:8000")
+    url = "http://10.0.0.2:8000/v1/models"
+    assert client.get("/v1/models", headers=_signer().headers("GET", url, b"")).status_code == 200
+    other_server = _signer().headers("GET", "http://10.0.0.3:8000/v1/models", b"")
+    response = client.get("/v1/models", headers=other_server)
+    assert (
+        response.status_code == 401 and "addressed to '10.0.0.3:8000'" in response.json()["error"]["message"]
+    )
+    # DiLoCo's transport key, the raw secret as a key, another secret: all refused.
+    for key in (
+        transport_key(SECRET.encode()),
+        SECRET.encode(),
+        hkdf_sha256(b"another", b"prime-composer inference requests v1"),
+    ):
+        headers = Signer(key).headers("GET", url, b"")
+        assert client.get("/v1/models", headers=headers).status_code == 401
+    # Captured, then sent after the window: refused by its timestamp even though its nonce is new.
+    from prime_composer.wire.auth import inference_key, sign_request
+
+    stale = sign_request(
+        inference_key(SECRET), "GET", "/v1/models", b"", "10.0.0.2:8000", now=time.time() - 600
+    )
+    response = client.get("/v1/models", headers={INFERENCE_HEADER: stale})
+    assert response.status_code == 401 and "timestamp" in response.json()["error"]["message"]
+
+
+def test_signed_body_over_the_limit_is_413():
+    client = _guarded_client(SECRET, max_body_bytes=1024, peer="10.0.0.9")
+    url = "http://testserver/v1/chat/completions"
+    body = b"x" * 1025
+    response = client.post("/v1/chat/completions", content=body, headers=_signer().headers("POST", url, body))
+    assert response.status_code == 413
+
+    def chunks():
+        for _ in range(10):
+            yield b"x" * 300
+
+    headers = _signer().headers("POST", url, b"x" * 3000)
+    response = client.post("/v1/chat/completions", content=chunks(), headers=headers)
+    assert response.status_code == 413
 
 
 def test_no_secret_configured_leaves_routes_open():

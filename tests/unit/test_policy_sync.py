@@ -1,4 +1,5 @@
-"""PolicySync: waits for the weights a step needs, loads the newest into the server, sends the secret."""
+"""PolicySync: waits for the weights a step needs, loads the newest into the server, signs the call
+(the secret itself is never sent)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,20 @@ from pathlib import Path
 import pytest
 
 from prime_composer.orchestrator.policy import PolicySync, WeightSyncError
+from prime_composer.wire.auth import Verifier, inference_key
 
 
 class FakeServer:
     def __init__(self, status: int = 200) -> None:
         self.calls: list[tuple[str, dict, str | None]] = []
-        calls, code = self.calls, status
+        self.signatures: list[str | None] = []
+        calls, code, signatures = self.calls, status, self.signatures
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 calls.append((self.path, body, self.headers.get("Authorization")))
+                signatures.append(self.headers.get("X-Prime-Composer-Auth"))
                 self.send_response(code)
                 self.end_headers()
                 self.wfile.write(b'{"ok": true}')
@@ -65,7 +69,17 @@ def test_loads_the_newest_stable_weights(
     publish(tmp_path, 3, stable=False)  # being written: not yet usable
     sync = PolicySync(tmp_path, server.url, secret_env="MY_SECRET", poll_s=0.01, timeout_s=1)
     assert asyncio.run(sync.ensure(1)) == 2
-    assert server.calls == [("/update_weights", {"path": str(newest.resolve())}, "Bearer s3cret")]
+    # No bearer token: a signature the server checks with the key derived from the secret.
+    assert server.calls == [("/update_weights", {"path": str(newest.resolve())}, None)]
+    port = server.url.split(":")[2].split("/")[0]
+    body = json.dumps({"path": str(newest.resolve())}).encode()
+    verifier = Verifier(inference_key("s3cret"), f"127.0.0.1:{port}")
+    (signature,) = server.signatures
+    assert signature is not None and "s3cret" not in signature
+    assert verifier.check("POST", "/update_weights", body, signature) is None
+    assert (
+        verifier.check("POST", "/update_weights", body, signature) == "replayed request (nonce already seen)"
+    )
 
 
 def test_waits_until_the_trainer_publishes(tmp_path: Path, server: FakeServer) -> None:

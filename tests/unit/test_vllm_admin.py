@@ -33,6 +33,7 @@ from prime_composer.inference.vllm.admin import (
 from prime_composer.inference.vllm.extension import WeightUpdateExtension
 from prime_composer.integrity import write_manifest
 from prime_composer.transport.adapter import publish_adapter
+from prime_composer.wire.auth import inference_signer
 
 SECRET = "s3cret-value"
 
@@ -261,7 +262,16 @@ def test_vllm_routes_need_the_secret_too(root: Path, monkeypatch: pytest.MonkeyP
     for headers in ({}, {"Authorization": "Bearer nope"}):
         response = client.get("/v1/models", headers=headers)  # one of vLLM's own routes
         assert response.status_code == 401 and response.json()["error"]["code"] == 401
-    assert client.get("/v1/models", headers={"Authorization": f"Bearer {SECRET}"}).status_code == 200
+    # TestClient's peer is "testclient", another machine: a bearer token is refused from it.
+    assert client.get("/v1/models", headers={"Authorization": f"Bearer {SECRET}"}).status_code == 401
+    signer = inference_signer(SECRET)
+    assert signer is not None
+    assert (
+        client.get(
+            "/v1/models", headers=signer.headers("GET", "http://testserver/v1/models", b"")
+        ).status_code
+        == 200
+    )
     assert client.get("/health").status_code == 200  # the one open route
 
 
@@ -386,3 +396,53 @@ def test_only_requests_for_the_served_model_are_rewritten() -> None:
     assert route_to_adapter(b'{"model": "other"}', "m", "a") == b'{"model": "other"}'
     assert route_to_adapter(b"not json", "m", "a") == b"not json"
     assert route_to_adapter(b"[1, 2]", "m", "a") == b"[1, 2]"
+
+
+def test_a_vllm_worker_fetches_the_named_step_from_the_weights_origin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``inference.weights_origin`` on the vllm backend: the step is fetched over pinned TLS into
+    the worker's own root, its signed manifest and digests checked, then loaded; a step altered
+    on the origin's disk is refused before any worker loads it."""
+    from prime_composer.config.inference import InferenceConfig
+    from prime_composer.inference.vllm.launch import build_vllm_env
+    from prime_composer.transport.remote import WeightsOrigin
+    from prime_composer.wire.tls import generate, server_context
+
+    trainer_root = tmp_path / "trainer" / "broadcasts"
+    _publish_dir(trainer_root, 4)
+    _publish_dir(trainer_root, 5)
+    pin = generate(tmp_path / "tls", "trainer")
+    tls = server_context(tmp_path / "tls" / "cert.pem", tmp_path / "tls" / "key.pem")
+    origin = WeightsOrigin(trainer_root, "127.0.0.1", 0, b"weights-secret", tls=tls)
+    try:
+        monkeypatch.setenv("PC_WEIGHTS_SECRET", "weights-secret")
+        config = InferenceConfig(
+            backend="vllm",
+            output_dir=tmp_path / "worker",
+            weights_origin=f"https://127.0.0.1:{origin.port}@{pin}",
+            weights_secret_env="PC_WEIGHTS_SECRET",
+        )
+        settings = json.loads(build_vllm_env(config, base_env={})[admin.SETTINGS_ENV])
+        assert "weights-secret" not in json.dumps(settings)
+        worker_root = Path(settings["broadcast_root"])
+        assert not worker_root.exists() or not any(worker_root.iterdir())
+        engine = FakeEngine()
+        app = Starlette(routes=[])
+        app.state.engine_client = engine
+        app.add_middleware(AdminRoutesMiddleware, settings={**settings, "served_model_name": "m"})
+        client = TestClient(app)
+        response = client.post("/update_weights", json={"path": "step_4"})
+        assert response.status_code == 200, response.text
+        fetched = worker_root / "step_4"
+        assert response.json()["step"] == 4 and (fetched / "STABLE").is_file()
+        assert (fetched / "model.safetensors").read_bytes() == b"weights of step 4"
+        assert ("rpc", LOAD_METHOD, (str(fetched.resolve()),)) in engine.calls
+        # Altered on the origin's disk (same size): the worker refuses it, loads nothing.
+        (trainer_root / "step_5" / "model.safetensors").write_bytes(b"weights of step 6")
+        engine.calls.clear()
+        refused = client.post("/update_weights", json={"path": "step_5"})
+        assert refused.status_code == 502 and "does not match its manifest" in refused.text, refused.text
+        assert not any(c[0] == "rpc" for c in engine.calls) and not (worker_root / "step_5").exists()
+    finally:
+        origin.close()

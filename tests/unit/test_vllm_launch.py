@@ -172,6 +172,9 @@ def test_environment_carries_admin_settings_but_not_the_secret(tmp_path: Path) -
         "secret_env": "MY_SECRET",
         "served_model_name": "org/model",
         "max_request_bytes": 4096,
+        "private_network": False,
+        "audience": None,
+        "weights_origin": None,
     }
     assert "hunter2" not in env[SETTINGS_ENV]
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["PATH"] == "/bin"

@@ -163,3 +163,40 @@ def test_update_weights_fetches_the_named_step_from_the_trainer_side(origin, tmp
         asyncio.run(updates.update(json.dumps({"path": "step_9"}).encode(), target))
     assert caught.value.status == 502 and "step 9" in caught.value.message
     assert updates.current["step"] == 5 and len(target.loaded) == 1
+
+
+def test_files_stream_through_both_ends(origin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A weights file is never read whole by the origin nor held whole by the worker: it goes by
+    chunks (1 MiB at the origin, 64 KiB reads at the worker) straight to disk, digest checked."""
+    url, pin, broadcasts = origin
+    g = torch.Generator().manual_seed(7)
+    big = {"model.embed.weight": torch.randn(1024, 1024, generator=g)}  # a 4 MiB file
+    publish_weights(big, {"model_type": "toy"}, broadcasts, 1)
+    real_read_bytes = Path.read_bytes
+
+    def no_whole_weights(self: Path) -> bytes:
+        assert not self.name.endswith(".safetensors"), f"{self} read whole"
+        return real_read_bytes(self)
+
+    monkeypatch.setattr(Path, "read_bytes", no_whole_weights)
+    chunks: list[int] = []
+    real_request = remote.request
+
+    def counting_request(*args, **kwargs):  # type: ignore[no-untyped-def]
+        sink = kwargs.get("sink")
+        if sink is not None:
+            kwargs["sink"] = lambda chunk: (chunks.append(len(chunk)), sink(chunk))
+        status, body = real_request(*args, **kwargs)
+        assert sink is None or body == b""  # nothing collected in memory
+        return status, body
+
+    monkeypatch.setattr(remote, "request", counting_request)
+    path = fetch_step(url, pin, SECRET, 1, tmp_path / "worker")
+    monkeypatch.setattr(Path, "read_bytes", real_read_bytes)
+    assert torch.equal(load_weights(path)["model.embed.weight"], big["model.embed.weight"])
+    assert sum(chunks) > 4 << 20 and max(chunks) <= 1 << 16 and len(chunks) > 64
+    # A file cut short on the origin's disk: refused, nothing left behind.
+    (broadcasts / "step_1" / "model.safetensors").write_bytes(b"x" * 10)
+    with pytest.raises(RemoteWeightsError):
+        fetch_step(url, pin, SECRET, 1, tmp_path / "worker2")
+    assert not any((tmp_path / "worker2").glob("step_*"))

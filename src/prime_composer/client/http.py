@@ -16,13 +16,21 @@ come later. It gives them the same behaviour:
   teacher's answer). Only cancellation propagates.
 
 Secrets: the API key is read from the environment variable the config names, sent as a bearer
-token, and never appears in logs or error messages (URLs are logged without user info).
+token, and never appears in logs or error messages (URLs are logged without user info). Our own
+inference servers get a ``signer`` instead (``wire.auth.Signer``): every attempt is signed afresh
+(method, path, body digest, audience, timestamp, nonce), so no reusable secret crosses the wire
+and a retry is not refused as a replay.
 
 What does not use it: the rollout harness's raw token path (``orchestrator/harness.py``). Those
 calls go to verifiers' per-rollout interception endpoint with vLLM's extra fields
 (``return_token_ids``) and must not be retried here: the interception records every call as a
 turn of the trace, so a transparent retry would record one turn twice. The harness fails the
-rollout instead, which is recorded as an error sample.
+rollout instead, which is recorded as an error sample. (Its ``Authorization`` header carries
+verifiers' per-rollout interception secret to a loopback server, not the inference secret.)
+Nor do the replica relay's forwarded calls (``orchestrator/replicas.py``: raw bytes and headers
+relayed as they came, its own failover across replicas; its health probes do use this client),
+nor the links between machines (``wire/fetch.py``: synchronous, a byte cap and a wall-clock
+deadline for the whole download, and a layer below this one).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from typing import Any
 import httpx
 
 from prime_composer.config.client import RetryConfig
+from prime_composer.wire.auth import Signer
 
 logger = logging.getLogger(__name__)
 
@@ -116,17 +125,22 @@ class EndpointClient:
         *,
         retry: RetryConfig | None = None,
         api_key: str | None = None,
+        signer: Signer | None = None,
         headers: dict[str, str] | None = None,
         max_concurrency: int | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        """``api_key`` (see ``read_api_key``) is sent as ``Authorization: Bearer``; ``sleep``, ``rng``
-        and ``transport`` are for tests (fake time, fixed jitter, an in-process server)."""
+        """``api_key`` (see ``read_api_key``) is sent as ``Authorization: Bearer``; ``signer`` signs
+        each attempt instead (one or the other); ``sleep``, ``rng`` and ``transport`` are for tests
+        (fake time, fixed jitter, an in-process server)."""
+        if api_key and signer is not None:
+            raise ValueError("EndpointClient: give an api_key or a signer, not both")
         self.base_url = base_url.rstrip("/")
         self.retry = retry or RetryConfig()
         self._headers = dict(headers or {})
+        self._signer = signer
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._max_concurrency = max_concurrency
@@ -225,7 +239,7 @@ class EndpointClient:
             # httpx's timeout bounds each read; the attempt as a whole (a server that trickles
             # its answer) is bounded by the wall clock.
             async with asyncio.timeout(self.retry.timeout_s):
-                response = await self._http().request(method, url, json=body, headers=self._headers)
+                response = await self._send(method, url, body)
         except (httpx.TimeoutException, TimeoutError) as e:
             return (
                 None,
@@ -248,6 +262,15 @@ class EndpointClient:
         if not parsed:
             return status, None, "bad_json", f"the answer is not JSON: {response.text[:200]!r}", None
         return status, data, None, "", None
+
+    async def _send(self, method: str, url: str, body: dict[str, Any] | None) -> httpx.Response:
+        if self._signer is None:
+            return await self._http().request(method, url, json=body, headers=self._headers)
+        content = b"" if body is None else json.dumps(body).encode()
+        headers = {**self._headers, **self._signer.headers(method, url, content)}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        return await self._http().request(method, url, content=content, headers=headers)
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
         cap = min(self.retry.max_backoff_s, self.retry.backoff_s * 2 ** (attempt - 1))

@@ -68,9 +68,22 @@ class InferenceConfig(BaseConfig):
     """TCP port of the OpenAI-compatible API."""
 
     secret_env: str | None = None
-    """Name of the environment variable holding the shared secret. When set, every route except
-    ``/health`` (generation, ``/v1/models``, ``/update_weights``, ``/reload_weights``) requires
-    ``Authorization: Bearer <secret>``; required when ``host`` is not loopback."""
+    """Name of the environment variable holding the shared secret; required when ``host`` is not
+    loopback. When set, every route except ``/health`` (generation, ``/v1/models``,
+    ``/update_weights``, ``/reload_weights``) requires a request signed with a key derived from it
+    (``X-Prime-Composer-Auth``, what the orchestrator sends: the secret never crosses the wire),
+    or ``Authorization: Bearer <secret>`` from this machine (OpenAI clients on loopback)."""
+
+    private_network: bool = False
+    """Accept ``Authorization: Bearer <secret>`` from other machines too (OpenAI clients that
+    cannot sign requests). Only where every link to the server is private: a bearer token seen on
+    the wire lets anyone call the server. Off, a bearer token from another machine is a 401."""
+
+    audience: str | None = None
+    """The ``host:port`` clients address this server by (e.g. ``10.0.0.2:8000``). Set, a signed
+    request addressed to another server is refused, so one captured on the way to another replica
+    cannot be replayed here; ``None`` accepts any address (replays to this server are refused
+    either way)."""
 
     max_request_bytes: int = Field(default=8 * 2**20, ge=1024)
     """Largest request body accepted, in bytes (default 8 MiB); a larger one is answered 413
@@ -145,7 +158,7 @@ class InferenceConfig(BaseConfig):
 
     # --- weights from another machine (transport/remote.py) ---
     weights_origin: str | None = None
-    """``hf`` backend on a machine that shares no folder with the trainer: where each step named
+    """Both backends, on a machine that shares no folder with the trainer: where each step named
     by ``/update_weights`` is fetched from (``https://host:port@sha256:<fingerprint>``, served by
     ``python -m prime_composer.transport.remote serve``; ``http://host:port`` on loopback only),
     into ``<output_dir>/broadcasts``, verified before it is loaded. Needs ``weights_secret_env``."""
@@ -157,8 +170,6 @@ class InferenceConfig(BaseConfig):
     def _check_weights_origin(self) -> Self:
         if self.weights_origin is None:
             return self
-        if self.backend != "hf":
-            raise ValueError('inference.weights_origin is only implemented for backend = "hf"')
         if self.weights_secret_env is None:
             raise ValueError("inference.weights_origin is set but inference.weights_secret_env is not")
         url, _, pin = self.weights_origin.partition("@")

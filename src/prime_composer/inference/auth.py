@@ -3,10 +3,12 @@
 Rules: a server bound to loopback may run without a secret (only this machine can reach it); a
 server bound to anything else must have ``inference.secret_env`` naming a set environment
 variable, or it refuses to start. When a secret is configured, every request except
-``GET /health`` must send ``Authorization: Bearer <secret>`` whatever the bind address
-(generation and ``/v1/models`` too: an exposed server must not be free compute). The check itself
-runs in ``guard.RequestGuard``. The secret is compared in constant time and never logged or echoed
-in an error.
+``GET /health`` must prove it knows the secret whatever the bind address (generation and
+``/v1/models`` too: an exposed server must not be free compute): by a signed request
+(``wire.auth``, the secret never sent), or by ``Authorization: Bearer <secret>`` from this
+machine (or any machine with ``inference.private_network``). The check itself runs in
+``guard.RequestGuard``. The secret is compared in constant time and never logged or echoed in an
+error.
 
 Stdlib only: the vLLM backend's middleware imports this inside vLLM's process.
 """

@@ -50,6 +50,7 @@ from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.state import OrchestratorState, choose_env, task_index
 from prime_composer.orchestrator.stream import FailureWatch, RolloutStream, RunGroup, StepRollouts
 from prime_composer.transport.factory import BatchSender, make_sender
+from prime_composer.wire.auth import inference_signer_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,9 @@ class Orchestrator:
             if not tasks:
                 raise ValueError(f"orchestrator.env[{loaded.index}] (id={loaded.config.id!r}) has no tasks")
         self.metrics = MetricsLogger(config.output_dir, "orchestrator")
-        self.pool = ReplicaPool(config.server_urls, config.replicas)
+        self.pool = ReplicaPool(
+            config.server_urls, config.replicas, signer=inference_signer_from_env(config.inference_secret_env)
+        )
         """The inference servers rollouts and weight updates go to (one, or several replicas)."""
 
     # --------------------------------------------------------------------------------- the loop

@@ -28,6 +28,7 @@ from prime_composer.config.client import RetryConfig
 from prime_composer.config.orchestrator import WEIGHTS_LOAD_RETRY
 from prime_composer.orchestrator.replicas import Replica, ReplicaPool
 from prime_composer.transport.weights import latest_stable
+from prime_composer.wire.auth import inference_signer
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,9 @@ class PolicySync:
             )
         # ``orchestrator.weights_load_retry``: one attempt may take minutes (a large model).
         self._lock = asyncio.Lock()
-        self._clients = [EndpointClient(r.url, retry=retry, api_key=secret) for r in self.pool.replicas]
+        # Signed calls (``wire.auth``): the secret itself never crosses the wire.
+        signer = inference_signer(secret)
+        self._clients = [EndpointClient(r.url, retry=retry, signer=signer) for r in self.pool.replicas]
 
     @property
     def loaded_step(self) -> int:

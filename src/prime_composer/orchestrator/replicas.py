@@ -19,10 +19,17 @@ each call on to a replica chosen by the pool and hands its answer back unchanged
 fails on one replica (no answer, a timeout, a 5xx) is sent to another, so a replica killed
 mid-run costs its calls a retry, not a rollout; the relay is below verifiers' interception, which
 records the call once. Only when no replica is left for ``wait_s`` does a call fail (its rollout
-becomes an error sample). Answers are relayed whole (no streaming; rollouts do not stream). The
-relay adds no credentials: the caller's ``Authorization`` header goes through as it came.
+becomes an error sample). Answers are relayed whole (no streaming; rollouts do not stream).
 
-With a single server there is no relay: rollouts call it directly, as before.
+Credentials: with a ``signer`` (the pool's servers have ``inference.secret_env``), the relay drops
+the caller's ``Authorization`` header and signs each call it sends on, afresh for each replica it
+tries (``wire.auth.Signer``): rollouts (verifiers' OpenAI client, the token client) talk to the
+relay on loopback, and what reaches another machine carries no reusable secret. Without a
+signer the caller's ``Authorization`` header goes through as it came.
+
+With a single server there is no relay (rollouts call it directly, as before) unless a signer is
+set and the server is on another machine. Health probes go through the shared client
+(``client.http.EndpointClient``, one attempt each).
 """
 
 from __future__ import annotations
@@ -39,8 +46,11 @@ from typing import Any
 
 import httpx
 
+from prime_composer.client.http import EndpointClient
+from prime_composer.config.client import RetryConfig
 from prime_composer.config.orchestrator import ReplicasConfig
-from prime_composer.netaddr import server_root
+from prime_composer.netaddr import is_loopback, server_root
+from prime_composer.wire.auth import Signer
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +92,9 @@ class ReplicaPool:
         *,
         clock: Callable[[], float] = time.monotonic,
         loaded_step: int = 0,
+        signer: Signer | None = None,
     ) -> None:
+        """``signer``: signs the calls the relay sends on (see the module docstring)."""
         if not urls:
             raise ValueError("a replica pool needs at least one server URL")
         self.config = config or ReplicasConfig()
@@ -93,7 +105,9 @@ class ReplicaPool:
         """Calls sent again to another replica after one failed."""
         self._changed = asyncio.Event()
         self._probe_task: asyncio.Task[None] | None = None
-        self._http: httpx.AsyncClient | None = None
+        self.signer = signer
+        self._health: dict[int, EndpointClient] = {}
+        self._closing: list[EndpointClient] = []
         self._reported: dict[str, int] = {}
 
     # ----------------------------------------------------------------------------------- state
@@ -196,15 +210,12 @@ class ReplicaPool:
 
     async def _probe(self, replica: Replica) -> None:
         replica.last_probe = self.clock()
-        try:
-            response = await self._client().get(f"{replica.url}/health", timeout=5.0)
-        except httpx.HTTPError:
-            return
-        if response.status_code != 200:
+        result = await self._health_client(replica, 5.0).get_json("/health")
+        if result.status != 200:
             return
         try:
-            reported = response.json()["weights"]["step"]
-        except (ValueError, KeyError, TypeError):
+            reported = result.data["weights"]["step"]
+        except (KeyError, TypeError):
             reported = 0  # a server that reports no weights serves what it started with
         self.revive(replica, reported if isinstance(reported, int) else 0)
 
@@ -213,25 +224,25 @@ class ReplicaPool:
         of whether a step's failed rollouts are the data's or the servers' fault."""
 
         async def answers(replica: Replica) -> bool:
-            try:
-                response = await self._client().get(f"{replica.url}/health", timeout=timeout_s)
-            except httpx.HTTPError:
-                return False
-            return response.status_code == 200
+            result = await self._health_client(replica, timeout_s).get_json("/health")
+            return result.status == 200
 
         return any(await asyncio.gather(*(answers(r) for r in self.replicas)))
+
+    def _health_client(self, replica: Replica, timeout_s: float) -> EndpointClient:
+        """One attempt within ``timeout_s``: a probe that fails is asked again at the next probe."""
+        client = self._health.get(replica.index)
+        if client is None or client.retry.timeout_s != timeout_s:
+            client = EndpointClient(replica.url, retry=RetryConfig(timeout_s=timeout_s, max_retries=0))
+            old, self._health[replica.index] = self._health.get(replica.index), client
+            if old is not None:
+                self._closing.append(old)
+        return client
 
     async def _probe_loop(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.config.retry_s))
             await self.probe_due()
-
-    def _client(self) -> httpx.AsyncClient:
-        if self._http is None:
-            self._http = httpx.AsyncClient(
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
-            )
-        return self._http
 
     async def __aenter__(self) -> ReplicaPool:
         if len(self.replicas) > 1:
@@ -247,9 +258,10 @@ class ReplicaPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._probe_task
             self._probe_task = None
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        for client in [*self._health.values(), *self._closing]:
+            await client.aclose()
+        self._health.clear()
+        self._closing.clear()
 
     # --------------------------------------------------------------------------------- metrics
 
@@ -366,8 +378,13 @@ class ReplicaRouter:
             if tried:
                 self.pool.num_failovers += 1
             tried.add(replica.index)
+            url = replica.url + path
+            sent = headers
+            if self.pool.signer is not None:
+                sent = [(k, v) for k, v in headers if k.lower() != "authorization"]
+                sent += list(self.pool.signer.headers(method, url, body).items())
             try:
-                response = await self._http.request(method, replica.url + path, headers=headers, content=body)
+                response = await self._http.request(method, url, headers=sent, content=body)
             except httpx.HTTPError as e:
                 error = f"{type(e).__name__}: {e}"
                 self.pool.release(replica, error)
@@ -397,8 +414,10 @@ def _error_json(message: str, code: int) -> bytes:
 
 @contextlib.asynccontextmanager
 async def rollout_url(pool: ReplicaPool) -> AsyncIterator[str]:
-    """The base URL rollouts use: the server itself with one replica, the relay with several."""
-    if len(pool.replicas) == 1:
+    """The base URL rollouts use: the server itself with one replica (on this machine, or with no
+    signer), the relay with several or with a signer and a server on another machine."""
+    remote = any(not is_loopback(httpx.URL(r.url).host) for r in pool.replicas)
+    if len(pool.replicas) == 1 and not (pool.signer is not None and remote):
         yield pool.urls[0]
         return
     async with ReplicaRouter(pool) as url:

@@ -57,6 +57,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 AUDIENCE = "weights"
 SIGNATURE_NAME = "MANIFEST.sig"
 MAX_MANIFEST_BYTES = 1 << 20
+_CHUNK = 1 << 20
 _PATH = re.compile(r"^/step_(?P<step>\d{1,12})/(?P<name>[A-Za-z0-9_.-]{1,128}(?:/[A-Za-z0-9_.-]{1,128})*)$")
 
 
@@ -112,6 +113,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _send_file(self, path: Path) -> None:
+        """``path`` streamed in chunks (weights are GBs: never whole in memory)."""
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            self.send_response(200)
+            self.send_header("Content-Length", str(size))
+            self.end_headers()
+            shutil.copyfileobj(f, self.wfile, _CHUNK)
+
     def do_GET(self) -> None:
         if self.path == "/health":
             self._reply(200, b"ok")
@@ -140,7 +150,7 @@ class _Handler(BaseHTTPRequestHandler):
             elif name == SIGNATURE_NAME:
                 self._reply(200, manifest_tag(self.key, step, manifest).encode())
             elif name in json.loads(manifest)["files"]:
-                self._reply(200, (directory / name).read_bytes())
+                self._send_file(directory / name)
             else:
                 self._reply(404, b"not a file of this step")
         except (OSError, ValueError, KeyError):  # pruned while we read it
@@ -194,6 +204,37 @@ def _get(peer: Peer, path: str, deadline: float, max_bytes: int) -> bytes:
     if status != 200:
         raise RemoteWeightsError(f"{peer.url}/{path}: HTTP {status} {data[:200].decode('utf-8', 'replace')}")
     return data
+
+
+def _download(peer: Peer, path: str, deadline: float, size: int, digest: str, target: Path) -> None:
+    """``path`` streamed into ``target`` (hashed on the way; never whole in memory), at most
+    ``size`` bytes; ``RemoteWeightsError`` (and no file) unless it is exactly the listed file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    sha = hashlib.sha256()
+    num_bytes = 0
+    try:
+        with target.open("wb") as f:
+
+            def sink(chunk: bytes) -> None:
+                nonlocal num_bytes
+                sha.update(chunk)
+                num_bytes += len(chunk)
+                f.write(chunk)
+
+            try:
+                status, data = request(peer, "GET", path, deadline, size, sink=sink)
+            except TransportError as e:
+                raise RemoteWeightsError(f"{peer.url}/{path}: {e}") from None
+            if status != 200:
+                detail = data[:200].decode("utf-8", "replace")
+                raise RemoteWeightsError(f"{peer.url}/{path}: HTTP {status} {detail}")
+            f.flush()
+            os.fsync(f.fileno())
+        if num_bytes != size or sha.hexdigest() != digest:
+            raise RemoteWeightsError(f"{peer.url}/{path} does not match its manifest")
+    except BaseException:
+        target.unlink(missing_ok=True)
+        raise
 
 
 def latest_step(url: str, fingerprint: str | None, secret: bytes, timeout_s: float = 10.0) -> int | None:
@@ -261,10 +302,7 @@ def fetch_step(
         for name, (size, digest) in entries.items():
             if not _PATH.match(f"/step_{step}/{name}") or ".." in name.split("/"):
                 raise RemoteWeightsError(f"{url}: the manifest of step {step} lists a bad name {name!r}")
-            data = _get(peer, f"step_{step}/{name}", deadline, size)
-            if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
-                raise RemoteWeightsError(f"{url}: {name} of step {step} does not match its manifest")
-            atomic_write_bytes(tmp / name, data)
+            _download(peer, f"step_{step}/{name}", deadline, size, digest, tmp / name)
         atomic_write_bytes(tmp / MANIFEST_NAME, manifest)
         target = step_path(root, step)
         if target.exists():

@@ -14,21 +14,30 @@ way to one DC cannot be replayed to another), whose timestamp is more than ``win
 from its own clock, or whose nonce it has already seen within that window (nonces are
 remembered for ``2 * window_s``, so a replay inside the window is refused and one outside it is
 refused by its timestamp).
+
+The inference server's routes use the same scheme under their own header (``INFERENCE_HEADER``)
+and their own key (``inference_key``: the same HKDF with another label), so a request signed for
+one service is never accepted by the other; their audience is the ``host:port`` the client
+addressed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import re
 import secrets
 import threading
 import time
+from urllib.parse import urlsplit
 
 AUTH_HEADER = "X-Diloco-Auth"
 TRANSPORT_LABEL = b"prime-composer diloco transport v1"
+INFERENCE_HEADER = "X-Prime-Composer-Auth"
+INFERENCE_LABEL = b"prime-composer inference requests v1"
 _HEADER = re.compile(
-    r"^v1 aud=(?P<aud>[A-Za-z0-9_.-]{1,64}) ts=(?P<ts>\d{1,12}) nonce=(?P<nonce>[0-9a-f]{32}) "
+    r"^v1 aud=(?P<aud>[A-Za-z0-9_.:\[\]-]{1,80}) ts=(?P<ts>\d{1,12}) nonce=(?P<nonce>[0-9a-f]{32}) "
     r"sig=(?P<sig>[0-9a-f]{64})$"
 )
 
@@ -47,6 +56,12 @@ def hkdf_sha256(secret: bytes, info: bytes, length: int = 32, salt: bytes = b"")
 def transport_key(secret: bytes) -> bytes:
     """The key that signs requests, derived from the run's secret (never the secret itself)."""
     return hkdf_sha256(secret, TRANSPORT_LABEL)
+
+
+def inference_key(secret: str) -> bytes:
+    """The key that signs requests to inference servers, derived from ``inference.secret_env``'s
+    secret (neither the secret nor the DiLoCo transport key)."""
+    return hkdf_sha256(secret.encode("utf-8", errors="surrogateescape"), INFERENCE_LABEL)
 
 
 def _message(method: str, path: str, body: bytes, audience: str, ts: int, nonce: str) -> bytes:
@@ -113,3 +128,43 @@ class Verifier:
                 return "replayed request (nonce already seen)"
             self._seen[nonce] = now
         return None
+
+
+def url_audience(url: str) -> str:
+    """The audience a request to ``url`` is signed for: its ``host:port`` as addressed
+    (lowercase, the scheme's default port filled in, an IPv6 address bracketed)."""
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{host}:{port}"
+
+
+class Signer:
+    """Signs requests with ``key`` under ``header`` (the client side of ``Verifier``)."""
+
+    def __init__(self, key: bytes, header: str = INFERENCE_HEADER) -> None:
+        self._key = key
+        self.header = header
+
+    def __repr__(self) -> str:  # never the key
+        return f"Signer(header={self.header!r})"
+
+    def headers(self, method: str, url: str, body: bytes) -> dict[str, str]:
+        """The header that authenticates ``method url`` with ``body`` (a fresh nonce each call);
+        the signed path is the URL's path with its query, as the server receives it."""
+        parts = urlsplit(url)
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        return {self.header: sign_request(self._key, method, path, body, url_audience(url))}
+
+
+def inference_signer(secret: str | None) -> Signer | None:
+    """The signer of requests to inference servers guarded by ``secret`` (None: no secret)."""
+    return Signer(inference_key(secret)) if secret else None
+
+
+def inference_signer_from_env(secret_env: str | None) -> Signer | None:
+    """``inference_signer`` of the secret in ``$secret_env`` (None when unnamed or unset: the
+    caller that needs it says so, naming its own config key)."""
+    return inference_signer(os.environ.get(secret_env) if secret_env else None)

@@ -24,6 +24,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -81,9 +82,13 @@ def request(
     deadline: float,
     max_bytes: int,
     body: bytes = b"",
+    sink: Callable[[bytes], None] | None = None,
 ) -> tuple[int, bytes]:
     """``(status, body)`` of ``method path`` on ``peer`` finished before ``deadline``
-    (``time.monotonic()``) with a body of at most ``max_bytes``; ``TransportError`` otherwise."""
+    (``time.monotonic()``) with a body of at most ``max_bytes``; ``TransportError`` otherwise.
+
+    ``sink``: a 200 answer's body is handed to it chunk by chunk as it arrives (and ``body`` comes
+    back empty), so a large file is never whole in memory; other answers are returned whole."""
     parts = urlsplit(peer.url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise TransportError("url", f"{peer.url!r} is not an http(s) URL")
@@ -125,7 +130,10 @@ def request(
             total += len(chunk)
             if total > max_bytes:
                 raise TransportError("too_large", f"{peer.url}{path} sent over {max_bytes} bytes")
-            chunks.append(chunk)
+            if sink is not None and response.status == 200:
+                sink(chunk)
+            else:
+                chunks.append(chunk)
         if time.monotonic() > deadline:
             raise TransportError("deadline", f"{peer.url}{path} did not finish in time")
         if length is not None and length.isdigit() and int(length) != total:

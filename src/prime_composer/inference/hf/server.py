@@ -94,7 +94,15 @@ def build_app(config: InferenceConfig) -> FastAPI:
         tool_call_parser=config.tool_call_parser,
     )
     _check_tool_format(tokenizer, config.tool_call_parser)
-    return create_app(state, broadcast_root(config), secret, config.max_request_bytes, remote)
+    return create_app(
+        state,
+        broadcast_root(config),
+        secret,
+        config.max_request_bytes,
+        remote,
+        private_network=config.private_network,
+        audience=config.audience,
+    )
 
 
 def _remote(config: InferenceConfig) -> Any:
@@ -118,9 +126,13 @@ def create_app(
     secret: str | None,
     max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
     remote: Any = None,
+    *,
+    private_network: bool = False,
+    audience: str | None = None,
 ) -> FastAPI:
     """The FastAPI app around an already-built engine (``build_app`` does the loading);
-    ``remote``: a ``transport.remote.RemoteWeights`` that weight updates fetch from."""
+    ``remote``: a ``transport.remote.RemoteWeights`` that weight updates fetch from;
+    ``private_network``, ``audience``: ``inference.*`` (``guard.RequestGuard``)."""
     engine = state.engine
 
     @asynccontextmanager
@@ -134,7 +146,13 @@ def create_app(
             await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="prime-composer inference (hf)", lifespan=lifespan)
-    app.add_middleware(RequestGuard, secret=secret, max_body_bytes=max_request_bytes)
+    app.add_middleware(
+        RequestGuard,
+        secret=secret,
+        max_body_bytes=max_request_bytes,
+        private_network=private_network,
+        audience=audience,
+    )
     app.include_router(openai_router(state))
     _install_error_handlers(app)
     updates = WeightUpdates(weights_root, remote)

@@ -45,7 +45,9 @@ runs before vLLM's routing, so these paths win over vLLM's own routes of the sam
 0.32 has its own ``/update_weights`` for NCCL weight transfer, with another body).
 
 Settings come from the launcher through the environment variable ``PRIME_COMPOSER_VLLM_ADMIN``
-(JSON: ``broadcast_root``, ``secret_env``, ``served_model_name``, ``max_request_bytes``); the
+(JSON: ``broadcast_root``, ``secret_env``, ``served_model_name``, ``max_request_bytes``,
+``private_network``, ``audience``, ``weights_origin``: then each step ``/update_weights`` names is
+fetched from the trainer side's weights origin and verified first, as on the ``hf`` backend); the
 secret itself is read from the variable named by ``secret_env``, never passed on a command line.
 The launcher imports this module too (for those settings), so torch is only imported where a
 route needs it.
@@ -91,16 +93,36 @@ def admin_settings(
     secret_env: str | None,
     served_model_name: str,
     max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    *,
+    private_network: bool = False,
+    audience: str | None = None,
+    weights_origin: dict[str, str | None] | None = None,
 ) -> str:
-    """The value of ``PRIME_COMPOSER_VLLM_ADMIN`` the launcher sets for vLLM's process."""
+    """The value of ``PRIME_COMPOSER_VLLM_ADMIN`` the launcher sets for vLLM's process
+    (``weights_origin``: ``{"url", "fingerprint", "secret_env"}`` of ``inference.weights_origin``)."""
     return json.dumps(
         {
+            "weights_origin": weights_origin,
+            "private_network": private_network,
+            "audience": audience,
             "broadcast_root": str(Path(broadcast_root).resolve()),
             "secret_env": secret_env,
             "served_model_name": served_model_name,
             "max_request_bytes": max_request_bytes,
         }
     )
+
+
+def _remote(origin: dict[str, Any] | None) -> Any:
+    """The ``transport.remote.RemoteWeights`` weight updates fetch from (None: a shared folder)."""
+    if not origin:
+        return None
+    from prime_composer.transport.remote import RemoteWeights
+
+    secret = os.environ.get(origin["secret_env"] or "", "")
+    if not secret:
+        raise ValueError(f"inference.weights_secret_env = {origin['secret_env']!r} is unset or empty")
+    return RemoteWeights(origin["url"], origin["fingerprint"], secret.encode())
 
 
 class AdminRoutesMiddleware:
@@ -123,7 +145,7 @@ class AdminRoutesMiddleware:
         self.secret = os.environ.get(secret_env) if secret_env else None
         if secret_env and not self.secret:
             raise ValueError(f"inference.secret_env = {secret_env!r}, but that variable is unset or empty")
-        self.updates = WeightUpdates(self.broadcast_root)
+        self.updates = WeightUpdates(self.broadcast_root, _remote(settings.get("weights_origin")))
         self.adapter: str | None = None  # the LoRA adapter generation requests are routed to
         self.unknown_calls = UnknownCallStats()
         self._chat_fields: frozenset[str] | bool | None = False  # False: not looked up yet
@@ -132,6 +154,8 @@ class AdminRoutesMiddleware:
             self._dispatch,
             secret=self.secret,
             max_body_bytes=int(settings.get("max_request_bytes", DEFAULT_MAX_BODY_BYTES)),
+            private_network=bool(settings.get("private_network", False)),
+            audience=settings.get("audience"),
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -205,6 +205,20 @@ def vllm_lora_rank(rank: int) -> int:
     )
 
 
+def _weights_origin(config: InferenceConfig) -> dict[str, str | None] | None:
+    """``inference.weights_origin`` for the admin routes: URL, normalized pin, the secret's variable."""
+    if config.weights_origin is None:
+        return None
+    from prime_composer.config.diloco import normalize_fingerprint
+
+    url, _, pin = config.weights_origin.partition("@")
+    return {
+        "url": url,
+        "fingerprint": normalize_fingerprint(pin) if pin else None,
+        "secret_env": config.weights_secret_env,
+    }
+
+
 def build_vllm_env(config: InferenceConfig, base_env: dict[str, str] | None = None) -> dict[str, str]:
     """The child's environment: ours, ``inference.vllm.env``, and the admin routes' settings."""
     env = dict(os.environ if base_env is None else base_env)
@@ -214,6 +228,9 @@ def build_vllm_env(config: InferenceConfig, base_env: dict[str, str] | None = No
         config.secret_env,
         config.served_model_name or config.model.name,
         config.max_request_bytes,
+        private_network=config.private_network,
+        audience=config.audience,
+        weights_origin=_weights_origin(config),
     )
     source = source_root()
     if source is not None:
@@ -243,6 +260,11 @@ def serve_vllm(config: InferenceConfig) -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     resolve_admin_secret(config.host, config.secret_env)  # fail before the slow start, not after
+    if config.weights_origin is not None and not os.environ.get(config.weights_secret_env or ""):
+        raise ValueError(
+            f"inference.weights_secret_env = {config.weights_secret_env!r} is unset or empty; export the "
+            "secret shared with the weights origin"
+        )
 
     from prime_composer.model.resolve import resolve_model_name
 
