@@ -40,7 +40,9 @@ def test_shipped_ablation_arms_resolve_on_the_same_samples(path: Path, tmp_path:
     for arm in config.arms:
         generated = ablate.write_run_config(config, arm, config.seeds[0])
         rl, _ = resolve_rl_config(["@", str(generated)])
-        assert rl.seed == config.seeds[0] and rl.output_dir == ablate.run_dir(config, arm.name, config.seeds[0])
+        assert rl.seed == config.seeds[0] and rl.output_dir == ablate.run_dir(
+            config, arm.name, config.seeds[0]
+        )
         resolved[arm.name] = rl.model_dump(mode="json")
     first = resolved[config.arms[0].name]
     for name, other in resolved.items():
