@@ -29,6 +29,27 @@ def test_shipped_ablation_config_loads(path: Path) -> None:
     assert len(config.arms) >= 2
 
 
+@pytest.mark.parametrize("path", ABLATIONS, ids=lambda p: p.name)
+def test_shipped_ablation_arms_resolve_on_the_same_samples(path: Path, tmp_path: Path) -> None:
+    """Every arm's generated rl config resolves (in process: what ``ablate --dry-run`` asks of
+    ``rl --dry-run``) and trains on the same samples as the first arm."""
+    from prime_composer.eval import ablate
+
+    config = ablate.load_config(path, {"output_dir": str(tmp_path)})
+    resolved = {}
+    for arm in config.arms:
+        generated = ablate.write_run_config(config, arm, config.seeds[0])
+        rl, _ = resolve_rl_config(["@", str(generated)])
+        assert rl.seed == config.seeds[0] and rl.output_dir == ablate.run_dir(
+            config, arm.name, config.seeds[0]
+        )
+        resolved[arm.name] = rl.model_dump(mode="json")
+    first = resolved[config.arms[0].name]
+    for name, other in resolved.items():
+        for key in ablate.SAME_SAMPLES_KEYS:
+            assert ablate._dig(other, key) == ablate._dig(first, key), (name, key)
+
+
 def test_configs_folder_is_not_empty() -> None:
     assert any(p.name == "quickstart.toml" for p in CONFIGS)
 
