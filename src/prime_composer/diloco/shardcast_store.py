@@ -24,6 +24,14 @@ shardcast 0.3.2 is used without patching its files, working around its defects:
   for the whole download, byte-capped), into this DC's own download directory, and falls back to
   uniform server weights.
 
+The retry loop (``_Downloader.download_file``) stays here rather than in ``client/http.py``'s
+``EndpointClient``: that client is async, parses JSON, sends a fixed bearer header, bounds each
+attempt and retries failures with backoff, while a shard fetch is a binary GET from a pool of
+threads, signed afresh per request (a nonce each), byte-capped before the body is read, pinned,
+and its attempts share one wall-clock deadline; a payload not yet published is polled for at
+``poll_interval_s``, not retried as a failure. Each attempt goes through ``wire.fetch.request``,
+the one client of the links between DCs.
+
 What another DC sends is bounded before it is used: ``distribution.txt`` at
 ``MAX_DISTRIBUTION_BYTES``; a version listing more shards than its byte cap allows
 (``max_bytes`` of ``fetch``, else ``MAX_SHARDS``) is refused without downloading a shard; shards
