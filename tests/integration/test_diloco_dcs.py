@@ -27,18 +27,31 @@ def run_dcs(
     steps: int,
     timeout_s: float = 300.0,  # start-up included: 3 torch processes take minutes on a loaded machine
     configs: list[DilocoConfig] | None = None,
-    ranks: int = 1,
+    ranks: int | list[int] = 1,
+    extra: list[list[str]] | None = None,
     **fields: object,
 ) -> dict[str, list]:
-    """Run toy DCs (loopback shardcast configs unless ``configs``; ``ranks`` FSDP ranks each) to
-    ``steps``; their logs."""
+    """Run toy DCs (loopback shardcast configs unless ``configs``; ``ranks`` FSDP ranks each, or
+    per DC; ``extra`` arguments per DC) to ``steps``; their logs."""
     if configs is None:
         configs = loopback_configs(num_dcs, SECRET_ENV, round_deadline_s=10.0, poll_interval_s=0.05, **fields)
     env = {SECRET_ENV: "test-secret", "PYTHONHASHSEED": "0"}
     # Training starts once every DC is up (START), so a slow start-up never leaves one out.
     start = ["--start-file", str(tmp_path / "START")]
+    per_dc = ranks if isinstance(ranks, list) else [ranks] * len(configs)
     procs = [
-        spawn(c, tmp_path, "--steps", str(steps), "--seed", str(i + 1), *start, env=env, ranks=ranks)
+        spawn(
+            c,
+            tmp_path,
+            "--steps",
+            str(steps),
+            "--seed",
+            str(i + 1),
+            *start,
+            *(extra[i] if extra else []),
+            env=env,
+            ranks=per_dc[i],
+        )
         for i, c in enumerate(configs)
     ]
     try:
@@ -61,7 +74,7 @@ def run_dcs(
             try:
                 p.wait(timeout=10)
             except Exception:
-                if ranks > 1:  # torchrun and its ranks share a process group of their own
+                if per_dc[procs.index(p)] > 1:  # torchrun and its ranks share a process group of their own
                     os.killpg(p.pid, signal.SIGKILL)
                 p.kill()
     raise AssertionError("unreachable")
@@ -94,13 +107,28 @@ def test_every_dc_ends_every_round_with_identical_global_weights(
     assert all(log[-1]["rejected"] == {} for log in logs.values())
 
 
+SHARDED_FIELDS: dict[str, object] = {
+    "quantization": "none",
+    "num_fragments": 2,
+    "sync_every": 4,
+    "fragment_sync_delay": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sharded runs' reference: the same 2 DCs with one rank each (their work dirs)."""
+    root = tmp_path_factory.mktemp("one-rank")
+    run_dcs(root, 2, steps=9, timeout_s=300, **SHARDED_FIELDS)
+    return root
+
+
 @pytest.mark.slow
-def test_sharded_dcs_agree_and_match_dcs_of_one_rank(tmp_path: Path) -> None:
+def test_sharded_dcs_agree_and_match_dcs_of_one_rank(tmp_path: Path, one_rank: Path) -> None:
     """2 DCs x 2 FSDP ranks (gloo): every round's global fragment is the same bits in both DCs,
     and the run ends where the same run with 1 rank per DC ends, to float tolerance (the ranks
     average half-batch gradients; one rank takes the full batch's)."""
-    fields = {"quantization": "none", "num_fragments": 2, "sync_every": 4, "fragment_sync_delay": 1}
-    sharded = run_dcs(tmp_path / "two-ranks", 2, steps=9, timeout_s=300, ranks=2, **fields)
+    sharded = run_dcs(tmp_path / "two-ranks", 2, steps=9, timeout_s=300, ranks=2, **SHARDED_FIELDS)
     per_dc = [rounds(log) for log in sharded.values()]
     assert sorted(per_dc[0]) == sorted(per_dc[1]) == [0, 1, 2, 3]
     for r, record in per_dc[0].items():
@@ -108,11 +136,10 @@ def test_sharded_dcs_agree_and_match_dcs_of_one_rank(tmp_path: Path) -> None:
         assert per_dc[1][r]["digest"] == record["digest"], f"round {r} digests differ"
     assert len({log[-1]["global_digest"] for log in sharded.values()}) == 1
 
-    run_dcs(tmp_path / "one-rank", 2, steps=9, timeout_s=300, **fields)
     for dc in ("dc-0", "dc-1"):
         for name in ("theta.pt", "local.pt"):
             got = torch.load(tmp_path / "two-ranks" / dc / name)
-            want = torch.load(tmp_path / "one-rank" / dc / name)
+            want = torch.load(one_rank / dc / name)
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"{dc} {name}")
     # Round 3 (fragment 1) was applied at the last step with alpha 0: the gathered local fragment
@@ -122,6 +149,27 @@ def test_sharded_dcs_agree_and_match_dcs_of_one_rank(tmp_path: Path) -> None:
     assert not torch.equal(theta, local)  # fragment 0 trained on after its round 2
     split = theta.numel() - split_fragments(make_model(16, 2), 2)[-1].numel  # the toy's default MLP
     assert torch.equal(theta[split:], local[split:])
+
+
+@pytest.mark.slow
+def test_a_dc_with_an_hsdp_trainer_joins_as_one_dc(tmp_path: Path, one_rank: Path) -> None:
+    """dc-0 trains with HSDP (``--replicate 2``: 2 copies x 2 shards, 4 gloo ranks, the trainer's
+    ``trainer.parallel.replicate`` mesh), dc-1 with one rank: both are members of every round with
+    the same bits, dc-0's two copies end with the same shards (the new global fragments reached
+    both copies, not only the leader's), and both DCs end where two DCs of one rank end (1e-5)."""
+    logs = run_dcs(
+        tmp_path, 2, steps=9, timeout_s=300, ranks=[4, 1], extra=[["--replicate", "2"], []], **SHARDED_FIELDS
+    )
+    per_dc = [rounds(log) for log in logs.values()]
+    assert sorted(per_dc[0]) == sorted(per_dc[1]) == [0, 1, 2, 3]
+    for r, record in per_dc[0].items():
+        assert record["members"] == ["dc-0", "dc-1"], f"round {r}: both DCs should contribute"
+        assert per_dc[1][r]["digest"] == record["digest"], f"round {r} digests differ"
+    assert logs["dc-0"][-1]["replicas_agree"] is True
+    for dc in ("dc-0", "dc-1"):
+        for name in ("theta.pt", "local.pt"):
+            got, want = torch.load(tmp_path / dc / name), torch.load(one_rank / dc / name)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"{dc} {name}")
 
 
 def test_origin_requires_a_signed_request_except_on_health(tmp_path: Path) -> None:

@@ -209,7 +209,7 @@ class _Hostile(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         cls = type(self)
         data = b"x" * 1000
-        if self.path == "/distribution.txt":
+        if self.path.partition("?")[0] == "/distribution.txt":  # the query names the sender
             shards = 100_000 if cls.behaviour == "lie" else 1
             checksum = hashlib.sha256(data).hexdigest()  # never checked: nothing gets that far
             body = f"v4: {checksum}|{shards}\n".encode()

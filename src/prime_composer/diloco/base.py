@@ -97,6 +97,12 @@ class Store(Protocol):
         (where the store can tell before downloading it all) larger than ``max_bytes``."""
         ...
 
+    def linger(self, owed: dict[str, list[tuple[Kind, int]]], timeout_s: float) -> list[str]:
+        """Keep serving until each peer in ``owed`` has the listed payloads of this DC (or is gone),
+        at most ``timeout_s``; returns the peers still waited for then. Called before ``close``
+        at the end of a run, so that a peer is not left without the last commit."""
+        ...
+
     def close(self) -> None:
         """Stop serving."""
         ...

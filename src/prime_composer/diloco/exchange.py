@@ -106,6 +106,8 @@ class Exchange:
         self._attempts: Counter[tuple[int, str]] = Counter()
         self._missed: Counter[str] = Counter()
         """Rounds in a row each peer sent no payload in; ``dead_after_rounds`` of them: not waited for."""
+        self._newest: tuple[int, str, list[str]] | None = None
+        """``(round, committer, members)`` of the newest round this DC applied."""
 
     # --------------------------------------------------------------------------------- payloads
 
@@ -370,6 +372,7 @@ class Exchange:
                 "state", round_, encode(header, state_body(new_theta, new_momentum), self.secret)
             )
         members = [str(m[0]) for m in commit["members"]]
+        self._newest = (round_, committer, members)
         metrics = self._metrics(t0, got) | {"diloco/num_members": float(len(members))} | extra
         return RoundResult(
             round_,
@@ -382,6 +385,24 @@ class Exchange:
             committer=committer,
             metrics=metrics,
         )
+
+    def owed(self) -> dict[str, list[tuple[Kind, int]]]:
+        """What each peer may still need from this DC's origin to apply the newest round this DC
+        applied: every other member this DC's grad (if it is a member), every peer the commit (if
+        this DC committed it). ``Store.linger`` keeps the origin up until they have it."""
+        if self._newest is None or self.store is None:
+            return {}
+        round_, committer, members = self._newest
+        owed: dict[str, list[tuple[Kind, int]]] = {}
+        for peer in self.peers:
+            items: list[tuple[Kind, int]] = []
+            if self.me in members and peer in members:
+                items.append(("grad", round_))
+            if committer == self.me:
+                items.append(("commit", round_))
+            if items:
+                owed[peer] = items
+        return owed
 
     def _fetch_member(
         self, round_: int, fragment: int, cluster: str, digest: str, numel: int

@@ -29,7 +29,9 @@ holds at most one full parameter more while a fragment is gathered or scattered.
 At the end of a run (``finish``) the sync still in flight is waited for and applied, and the
 model takes the global weights of every fragment (the newest agreed state, the same bits in every
 DC), which is what ``final/`` exports; the local progress since each fragment's last sync is kept
-only in the last checkpoint (saved before ``finish``).
+only in the last checkpoint (saved before ``finish``). ``close`` then keeps the origin up until
+the peers have downloaded what they need of that last round (this DC's grad, its commit when it
+coordinated; ``ShardcastStore.linger``), at most ``round_deadline_s``.
 """
 
 from __future__ import annotations
@@ -408,11 +410,17 @@ class ShardcastOuterLoop:
             self._future, self._pending = None, None
 
     def close(self) -> None:
-        """Wait for an exchange in flight, stop the origin."""
+        """Wait for an exchange in flight, keep the origin up until the peers have what they need
+        of the newest round (``Store.linger``, at most ``round_deadline_s``), stop it."""
         try:
             if self._future is not None:
                 self._future.result()
         finally:
             self._pool.shutdown(wait=True)
             if self.store is not None:
-                self.store.close()
+                try:
+                    owed = self.exchange.owed()
+                    if owed:
+                        self.store.linger(owed, self.cfg.round_deadline_s)
+                finally:
+                    self.store.close()

@@ -24,6 +24,14 @@ shardcast 0.3.2 is used without patching its files, working around its defects:
   for the whole download, byte-capped), into this DC's own download directory, and falls back to
   uniform server weights.
 
+The retry loop (``_Downloader.download_file``) stays here rather than in ``client/http.py``'s
+``EndpointClient``: that client is async, parses JSON, sends a fixed bearer header, bounds each
+attempt and retries failures with backoff, while a shard fetch is a binary GET from a pool of
+threads, signed afresh per request (a nonce each), byte-capped before the body is read, pinned,
+and its attempts share one wall-clock deadline; a payload not yet published is polled for at
+``poll_interval_s``, not retried as a failure. Each attempt goes through ``wire.fetch.request``,
+the one client of the links between DCs.
+
 What another DC sends is bounded before it is used: ``distribution.txt`` at
 ``MAX_DISTRIBUTION_BYTES``; a version listing more shards than its byte cap allows
 (``max_bytes`` of ``fetch``, else ``MAX_SHARDS``) is refused without downloading a shard; shards
@@ -37,6 +45,16 @@ to the relay (states too when the origin is on loopback, see ``relay_states``), 
 instead of its origin; what it returns goes through the same checks as a direct download.
 
 Failures come back as ``None`` (data), never as exceptions.
+
+**The last round outlives the run** (``ShardcastStore.linger``). Every request names its sender
+(``?dc=<cluster id>``, covered by the request's signature), and the origin records which peer has
+downloaded every shard of which version. When a run ends, its origin stays up until every peer that
+still needs something of the newest round this DC applied has downloaded it from here: each other
+member this DC's grad, and every peer its commit when this DC committed the round (``Exchange.owed``).
+Peers that never fetched from this origin (those reaching it through the relay) and peers whose
+own origin no longer answers (gone, or finished) are not waited for, and the wait is bounded by
+``round_deadline_s``: a dead peer cannot hold a finished run. Without it a coordinator that ends
+right after its last commit leaves its peer to wait out the commit deadline and fail over.
 """
 
 from __future__ import annotations
@@ -51,10 +69,12 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable
 from functools import partial
 from http.server import SimpleHTTPRequestHandler
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
 from shardcast.client import ServerMetrics, ShardDownloader
 from shardcast.utils import compute_checksum, get_shard_count, get_shard_filename, update_distribution_file
@@ -84,6 +104,8 @@ MAX_SHARDS = 512
 MAX_DISTRIBUTION_BYTES = 64 << 10
 """Largest ``distribution.txt`` read from a peer (it lists ``3 * keep_rounds`` short lines)."""
 _DISTRIBUTION_TIMEOUT_S = 10.0
+_LINGER_PROBE_S = 1.0
+"""How often a lingering origin checks that the peers it waits for are still up."""
 
 _KIND_OFFSET: dict[str, int] = {"grad": 1, "commit": 2, "state": 3}
 
@@ -119,6 +141,8 @@ def _parse_distribution(text: str) -> dict[str, tuple[str, int]]:
 
 class _Handler(SimpleHTTPRequestHandler):
     verifier: Verifier | None = None
+    served: Callable[[str, str], None] | None = None
+    """Called with ``(sender, path)`` after a file was sent to a request naming its sender."""
     timeout = 30.0  # per socket operation: a client that stalls does not hold a thread forever
 
     def setup(self) -> None:
@@ -138,10 +162,15 @@ class _Handler(SimpleHTTPRequestHandler):
             if reason is not None:
                 self.send_error(401, reason)
                 return
-        if self.path.endswith("/"):
+        path, _, query = self.path.partition("?")
+        if path.endswith("/"):
             self.send_error(404)
             return
+        sent = os.path.isfile(self.translate_path(path))
         super().do_GET()
+        sender = parse_qs(query).get("dc", [""])[0]
+        if sent and sender and self.served is not None:
+            self.served(sender, path)
 
     def do_HEAD(self) -> None:
         self.send_error(405)
@@ -159,7 +188,8 @@ class Origin:
 
     ``secret`` set: every path but ``/health`` needs a request signed with the key derived from
     it, addressed to ``audience`` (this DC's cluster id; None accepts any audience) within
-    ``window_s`` of this clock. ``tls`` set: served over HTTPS with that context."""
+    ``window_s`` of this clock. ``tls`` set: served over HTTPS with that context. ``senders``: the
+    cluster ids whose downloads are recorded (``seen``, ``fetched``); others are served alike."""
 
     def __init__(
         self,
@@ -172,11 +202,18 @@ class Origin:
         audience: str | None = None,
         tls: ssl.SSLContext | None = None,
         window_s: float = 120.0,
+        senders: Iterable[str] = (),
     ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.keep_versions = keep_versions
         self._lock = threading.Lock()
+        self._senders = frozenset(senders)
+        self._record_lock = threading.Lock()
+        self._seen: set[str] = set()
+        self._num_shards: dict[str, int] = {}
+        self._fetched: dict[tuple[str, str], set[str]] = {}
+        """``(sender, version)`` -> the shard files of that version sent to that sender."""
         dist = self.directory / DISTRIBUTION_FILE
         if not dist.exists():
             atomic_write_bytes(dist, b"")
@@ -184,7 +221,7 @@ class Origin:
         if secret:
             key = transport_key(secret.encode() if isinstance(secret, str) else secret)
             verifier = Verifier(key, audience, window_s)
-        handler = type("Handler", (_Handler,), {"verifier": verifier})
+        handler = type("Handler", (_Handler,), {"verifier": verifier, "served": self._served})
         self._serving = ServerThread(
             host, port, partial(handler, directory=str(self.directory)), tls=tls, name="diloco-origin"
         )
@@ -193,6 +230,26 @@ class Origin:
     @property
     def port(self) -> int:
         return self._serving.port
+
+    def _served(self, sender: str, path: str) -> None:
+        if sender not in self._senders:
+            return
+        version, _, name = path.strip("/").partition("/")
+        with self._record_lock:
+            self._seen.add(sender)
+            if version in self._num_shards and name.startswith("shard_"):
+                self._fetched.setdefault((sender, version), set()).add(name)
+
+    def seen(self, sender: str) -> bool:
+        """Whether ``sender`` has downloaded anything from this origin."""
+        with self._record_lock:
+            return sender in self._seen
+
+    def fetched(self, sender: str, version: str) -> bool:
+        """Whether every shard of ``version`` has been sent to ``sender``."""
+        with self._record_lock:
+            num_shards = self._num_shards.get(version)
+            return num_shards is not None and len(self._fetched.get((sender, version), ())) >= num_shards
 
     def publish(self, kind: Kind, round_: int, data: bytes) -> None:
         """Serve ``data`` as the version of (``kind``, ``round_``); drop the oldest versions."""
@@ -224,6 +281,12 @@ class Origin:
             removed = update_distribution_file(str(work), version, checksum, self.keep_versions, num_shards)
             atomic_write_bytes(dist, work.read_bytes())
             work.unlink()
+            with self._record_lock:
+                self._num_shards[version] = num_shards
+                for key in [k for k in self._fetched if k[1] == version or k[1] in removed]:
+                    del self._fetched[key]
+                for old in removed:
+                    self._num_shards.pop(old, None)
             for old in removed:
                 shutil.rmtree(self.directory / old, ignore_errors=True)
 
@@ -240,9 +303,11 @@ class _Downloader(ShardDownloader):
     One download at a time (the store holds a lock per peer): ``begin`` sets the deadline every
     request of it shares and the byte budget its shards draw from."""
 
-    def __init__(self, peers: list[Peer], poll_interval_s: float) -> None:
+    def __init__(self, peers: list[Peer], poll_interval_s: float, sender: str | None = None) -> None:
         # Not super().__init__: it would check for wget (installing it) and probe data1.bin.
         self._peers = {p.url.rstrip("/"): p for p in peers}
+        self._query = f"?dc={sender}" if sender else ""
+        """Names this DC to the peer's origin (``Origin.fetched``); the signature covers it."""
         self.servers = list(self._peers)
         self.timeout = 30
         self.metrics_lock = threading.Lock()
@@ -285,7 +350,7 @@ class _Downloader(ShardDownloader):
     def _get(self, server: str, url_path: str, max_bytes: int, deadline: float) -> tuple[bytes | None, str]:
         """``(body, "")`` or ``(None, reason)``."""
         try:
-            status, data = request(self._peers[server], "GET", url_path, deadline, max_bytes)
+            status, data = request(self._peers[server], "GET", url_path + self._query, deadline, max_bytes)
         except TransportError as e:
             self._failed(server, e.reason, str(e))
             return None, e.reason
@@ -393,7 +458,9 @@ class ShardcastStore:
             audience=cluster_id,
             tls=tls,
             window_s=window_s,
+            senders=peers,
         )
+        self.poll_interval_s = poll_interval_s
         key = transport_key(secret) if secret else None
         self.relay_states = is_loopback(host)
         """Whether this DC's ``state`` payloads (8 bytes a value of a fragment, each round it
@@ -405,7 +472,9 @@ class ShardcastStore:
         if self.relayed and (relay is None or cluster_id is None):
             raise ValueError(f"peers {sorted(self.relayed)} have no URL and no relay is set (diloco.relay)")
         self._downloaders = {
-            c: _Downloader([u if isinstance(u, Peer) else Peer(u, c, key) for u in urls], poll_interval_s)
+            c: _Downloader(
+                [u if isinstance(u, Peer) else Peer(u, c, key) for u in urls], poll_interval_s, cluster_id
+            )
             for c, urls in peers.items()
             if urls
         }
@@ -552,6 +621,32 @@ class ShardcastStore:
         if left <= 0:
             return None
         return self.relay.fetch(cluster, kind, round_, left, cap, listing[(kind, round_)])
+
+    def linger(self, owed: dict[str, list[tuple[Kind, int]]], timeout_s: float) -> list[str]:
+        """Keep serving until each peer in ``owed`` has downloaded the listed payloads from this
+        origin, is gone, or never fetched from here (see the module docstring), for at most
+        ``timeout_s``. Returns the peers still waited for at the deadline."""
+        versions = {c: [version_of(k, r) for k, r in items] for c, items in owed.items()}
+        until = time.monotonic() + timeout_s
+        probed = time.monotonic()
+
+        def still_owed(peers: Iterable[str]) -> list[str]:
+            return [c for c in peers if not all(self.origin.fetched(c, v) for v in versions[c])]
+
+        waiting = still_owed(c for c in versions if c not in self.relayed and self.origin.seen(c))
+        if waiting:
+            logger.info("diloco: waiting up to %.0f s for %s to fetch the last round", timeout_s, waiting)
+        while waiting:
+            waiting = still_owed(waiting)
+            if not waiting or time.monotonic() >= until:
+                break
+            if time.monotonic() - probed >= _LINGER_PROBE_S:
+                waiting = [c for c in waiting if self.available(c, _LINGER_PROBE_S) is not None]
+                probed = time.monotonic()
+            time.sleep(self.poll_interval_s)
+        if waiting:
+            logger.warning("diloco: %s did not fetch the last round within %.0f s", waiting, timeout_s)
+        return waiting
 
     def close(self) -> None:
         self.origin.close()

@@ -14,6 +14,9 @@ Under ``torchrun --nproc-per-node N`` (``spawn(..., ranks=N)``) the DC is N rank
 is sharded with FSDP2 (each ``Linear``, then the root), every rank draws the same batch and
 trains on its ``1/N`` of the rows (so the averaged gradient is the full batch's, as with one
 rank), and rank 0 writes the log. ``<work-dir>/local.pt`` is the DC's model at the end (gathered).
+``--replicate R`` makes the DC HSDP instead, as the trainer's ``trainer.parallel.replicate``: the
+same ``fully_shard`` calls on a ``(R, N / R)`` mesh; ``done`` then says whether the R copies hold
+the same shards (``replicas_agree``).
 
 ``--die-at-round R`` kills the process (SIGKILL) right after it published round R's payload
 (mid-round: before any commit); ``--die-at-step N`` after inner step N (any backend);
@@ -122,6 +125,21 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _replicas_agree(model: nn.Module, mesh: Any) -> bool:
+    """Whether every copy of an HSDP model holds the same shards: each rank's local shards are
+    compared with those of the ranks in the other copies at its place (collective)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.to_local().detach().numpy().tobytes())  # type: ignore[attr-defined]
+    digests: list[Any] = [None] * mesh.size(0)
+    torch.distributed.all_gather_object(digests, h.hexdigest(), group=mesh.get_group("replicate"))
+    verdicts: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(verdicts, len(set(digests)) == 1)
+    return all(verdicts)
+
+
 def _die_after_publishing(store: Any, round_: int) -> None:
     """SIGKILL this process right after its grad payload of ``round_`` is served: mid-round."""
     publish = store.publish
@@ -146,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1, help="data seed of this DC")
+    parser.add_argument("--replicate", type=int, default=1, help="HSDP copies (ranks / shards)")
     parser.add_argument("--die-at-round", type=int, default=None)
     parser.add_argument("--die-at-step", type=int, default=None, help="SIGKILL after this inner step")
     parser.add_argument("--step-sleep-s", type=float, default=0.0)
@@ -154,10 +173,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--start-file", type=Path, default=None, help="wait for it before the first step")
     args = parser.parse_args(argv)
 
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size % args.replicate or (args.replicate > 1 and world_size == 1):
+        parser.error(
+            f"--replicate {args.replicate} must divide the {world_size} ranks (and be 1 for one rank)"
+        )
     torch.set_num_threads(1)
     cfg = DilocoConfig.model_validate_json(args.config.read_text())
     model = make_model(args.width, args.depth)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0
     if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -165,7 +188,11 @@ def main(argv: list[str] | None = None) -> None:
 
         torch.distributed.init_process_group("gloo")
         rank = torch.distributed.get_rank()
-        mesh = init_device_mesh("cpu", (world_size,))
+        if args.replicate > 1:  # HSDP, as the trainer's device_mesh builds it
+            shape = (args.replicate, world_size // args.replicate)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world_size,))
         for layer in model.modules():
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -259,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
             "global_digest": outer.global_digest(),
             "rejected": dict(shardcast.exchange.rejected) if shardcast is not None else {},
         }
+        if args.replicate > 1:
+            done["replicas_agree"] = _replicas_agree(model, mesh)
         theta = shardcast.theta if shardcast is not None else torchft.theta if torchft is not None else []
         local = [f.gather(leader) for f in shardcast.fragments] if shardcast is not None else []
         if leader:
