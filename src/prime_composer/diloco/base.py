@@ -64,6 +64,11 @@ class OuterLoop(Protocol):
         """Restore the ``diloco`` part of checkpoint ``step`` (verified), after the model's weights."""
         ...
 
+    def finish(self) -> None:
+        """End of the run, after the last checkpoint and before ``final/`` is exported: leave the
+        model holding the weights it should be exported with."""
+        ...
+
     def global_digest(self) -> str:
         """SHA-256 over the global weights of every fragment: equal in every DC after a round."""
         ...

@@ -232,6 +232,10 @@ class TorchftOuterLoop:
         """Restore the ``diloco`` part of checkpoint ``step``, verified against its manifest."""
         self.load_state_dict(read_part(root, step))
 
+    def finish(self) -> None:
+        """Nothing held back for the end: torchft writes each round's result into the model when
+        it applies it, so ``final/`` is the model as the last inner step left it."""
+
     def global_digest(self) -> str:
         h = hashlib.sha256()
         for t in self.theta:

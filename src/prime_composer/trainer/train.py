@@ -221,10 +221,9 @@ class Trainer:
                 self.save_checkpoint(config.max_steps)
             # After the last checkpoint (which keeps the local model and the round in flight): the
             # shardcast loop applies that round and gives the model the global weights, so final/
-            # is the model every DC agrees on. A backend without ``finish`` exports its local model.
-            finish = getattr(self.outer, "finish", None)
-            if finish is not None:
-                finish()
+            # is the model every DC agrees on; torchft's model is already what its last round left.
+            if self.outer is not None:
+                self.outer.finish()
             if config.export_final:
                 lora_export = self.lora.export if self.lora is not None else None
                 export_final(self.model, self.tokenizer, config.output_dir, self.world, lora=lora_export)
