@@ -1,8 +1,8 @@
 """One client for OpenAI-compatible (and our own admin) HTTP endpoints.
 
 Every call that leaves a process for an endpoint it does not own goes through ``EndpointClient``:
-SDPO hint LLMs, weight-update calls to the inference server, and the teachers and judges that
-come later. It gives them the same behaviour:
+SDPO hint LLMs, weight-update calls to the inference server, replica health probes. It gives them
+the same behaviour:
 
 - a time limit per attempt (``RetryConfig.timeout_s``);
 - bounded retries with exponential backoff and full jitter on rate limits (429), server errors
@@ -30,7 +30,9 @@ verifiers' per-rollout interception secret to a loopback server, not the inferen
 Nor do the replica relay's forwarded calls (``orchestrator/replicas.py``: raw bytes and headers
 relayed as they came, its own failover across replicas; its health probes do use this client),
 nor the links between machines (``wire/fetch.py``: synchronous, a byte cap and a wall-clock
-deadline for the whole download, and a layer below this one).
+deadline for the whole download, and a layer below this one), nor the teacher service's calls
+(``teacher/calls.py``: the reply is capped while it is read, and each attempt says whether the
+provider may have billed it; they reuse this module's retry statuses).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """One bounded attempt at a teacher's ``/chat/completions``: a wall-clock limit, a size cap while
 reading, and whether the provider may have billed it.
 
-``EndpointClient`` (``client/http.py``) bounds each read, not the attempt, and buffers the whole
-body: a teacher that trickles a byte a second holds a call for as long as it likes, and a 20 MB
-reply is read (and cached) whole. The pool asks teachers through ``TeacherCaller`` instead:
+``EndpointClient`` (``client/http.py``) reads the whole body before it parses it and knows nothing
+of billing: a 20 MB reply would be read (and cached) whole, and an attempt cut off mid-answer would
+look like one that never reached the provider. The pool asks teachers through ``TeacherCaller``
+instead (the same retry statuses and full-jitter backoff, limits from each teacher's ``retry``):
 
 - the attempt runs under one deadline, ``min(retry.timeout_s, the step's deadline)``, connecting,
   sending and reading included (outcome ``timeout`` for the attempt's limit, ``step_deadline`` for
