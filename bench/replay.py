@@ -33,7 +33,14 @@ Every run uses the real ``Replayer`` (plan, cascade, ``TeacherPool``: cache, bud
 Variants (``--variants``): ``default``; ``confident`` (mistakes as confident as every other step:
 logprobs carry no signal); ``together`` (the teachers' errors are one draw per state, so a wrong
 majority is unanimous and its pair gets no label smoothing); ``late_test`` (no failing test run
-first: the trace reads before it runs the tests).
+first: the trace reads before it runs the tests); ``agents`` (real episodes, not synthetic:
+``bench/replay_agents.py`` plays ``--agent-tasks`` pyfix tasks with scripted agents of four skills,
+oracle, wrong fix, bad edit and no-op, whose tools really run in the sandbox, and exports them with
+the project's one converter, ``trace_export.samples_to_traces``; the mistake is each failed
+episode's first wrong step, the right action the oracle's at that turn, and the teachers answer
+from that oracle as above with pyfix's own tools as their wrong alternatives); ``agents_weak`` (the
+same episodes, weaker teachers: ``WEAK_ACCURACY``). The scripted agents' logprobs depend only on
+the token position: the real traces carry no uncertainty signal.
 
 Recall and precision are absolute: a planted step is *recalled* when it becomes a pair whose chosen
 side is the right action (over all planted steps); precision is the share of pairs whose chosen
@@ -45,6 +52,7 @@ Run::
 
     uv run python bench/replay.py
     uv run python bench/replay.py --num-traces 200 --seed 1 --variants default together
+    uv run python bench/replay.py --variants agents agents_weak --agent-tasks 40
 """
 
 from __future__ import annotations
@@ -76,6 +84,8 @@ PRICES = {  # USD per 1M input / output tokens, cheapest last
     "frontier-c": (0.30, 2.50),
 }
 ACCURACY = {"frontier-a": 0.92, "frontier-b": 0.90, "frontier-c": 0.80}
+WEAK_ACCURACY = {"frontier-a": 0.70, "frontier-b": 0.65, "frontier-c": 0.55}
+"""The weaker teachers of the ``agents_weak`` variant."""
 AGREEMENT = 0.85
 KINDS = ("wrong_edit", "edit_tests", "give_up", "revert")
 ALTERNATIVES = [
@@ -202,10 +212,13 @@ def oracle_answers(
     rights: dict[tuple[str, int], dict[str, Any]],
     instructions: str,
     together: bool = False,
+    accuracy: dict[str, float] = ACCURACY,
+    alternatives: list[dict[str, Any]] = ALTERNATIVES,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``teacher -> prompt hash -> answer``: what each teacher says at each state. ``together``:
     the teachers' errors are one draw per state (all right or all wrong the same way), not one per
-    teacher, so a wrong majority is unanimous."""
+    teacher, so a wrong majority is unanimous. ``accuracy``: each teacher's chance of the right
+    action at a mistake (its strength); ``alternatives``: what it says when it is wrong otherwise."""
     table: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in PRICES}
     for trace in traces:
         for k in trace.step_indices:
@@ -220,10 +233,10 @@ def oracle_answers(
             for name in PRICES:
                 who = "all" if together else name
                 u = _unit(who, trace.trace_id, k)
-                alternative = ALTERNATIVES[int(_unit("alt", who, trace.trace_id, k) * len(ALTERNATIVES))]
+                alternative = alternatives[int(_unit("alt", who, trace.trace_id, k) * len(alternatives))]
                 if right is not None:
                     wrong = own if _unit("agree", who, trace.trace_id, k) < 0.5 else alternative
-                    table[name][key] = right if u < ACCURACY[name] else wrong
+                    table[name][key] = right if u < accuracy[name] else wrong
                 else:
                     table[name][key] = own if u < AGREEMENT else alternative
     return table
@@ -312,15 +325,25 @@ VARIANTS = {
     "confident": {"informative": False},  # mistakes as confident as everything else
     "together": {"together": True},  # teachers wrong together
     "late_test": {"first_fail": False},  # no failing test run first
+    "agents": {"agents": True},  # real pyfix episodes (bench/replay_agents.py), the teachers above
+    "agents_weak": {"agents": True, "accuracy": WEAK_ACCURACY},  # the same, weaker teachers
 }
 RUNS = ("all", "all+cascade", "random+cascade", "gate+cascade", "calibrated+cascade")
 
 
 def variant_runs(args: argparse.Namespace, variant: str, b: dict[str, int]) -> dict[str, dict[str, float]]:
     options = VARIANTS[variant]
+    records: list[dict[str, Any]] = []
+    planted: dict[tuple[str, int], dict[str, Any]] = {}
+    alternatives = ALTERNATIVES
+    if options.get("agents"):
+        from replay_agents import ALTERNATIVES as agent_alternatives
+        from replay_agents import agent_traces
+
+        records, planted = agent_traces(args.agent_tasks)
+        alternatives = agent_alternatives
     rng = random.Random(args.seed)
-    records, planted = [], {}
-    for i in range(args.num_traces):
+    for i in range(0 if options.get("agents") else args.num_traces):
         kind = KINDS[i % len(KINDS)] if rng.random() < args.planted else None
         record, turn, right = make_trace(
             i,
@@ -334,7 +357,14 @@ def variant_runs(args: argparse.Namespace, variant: str, b: dict[str, int]) -> d
             planted[(record["id"], turn)] = right
     traces = [parse_trace(r, "bench", TraceSourceConfig()) for r in records]
     probe = TeacherServiceConfig.model_validate({"pool": [{"base_url": "http://x/v1", "model": "m"}]})
-    table = oracle_answers(traces, planted, probe.instructions, together=options.get("together", False))
+    table = oracle_answers(
+        traces,
+        planted,
+        probe.instructions,
+        together=options.get("together", False),
+        accuracy=options.get("accuracy", ACCURACY),
+        alternatives=alternatives,
+    )
     apps = {
         name: fake_teacher_app(lambda messages, t=table[name]: t[prompt_hash(messages)]) for name in PRICES
     }
@@ -366,12 +396,12 @@ def variant_runs(args: argparse.Namespace, variant: str, b: dict[str, int]) -> d
                 )
                 results[name] = run(cfg, traces, planted, replayer)
     steps_total = sum(len(t.step_indices) for t in traces)
-    print(f"\nvariant={variant} traces={args.num_traces} steps={steps_total} planted={len(planted)}")
+    print(f"\nvariant={variant} traces={len(traces)} steps={steps_total} planted={len(planted)}")
     print(
         "| run | steps asked | calls/trace | $/trace | pairs | precision | planted selected | recall | gate ECE |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    n = args.num_traces
+    n = len(traces)
     for name, r in results.items():
         print(
             f"| {name} | {r['steps_asked']} | {r['calls'] / n:.2f} | {r['dollars'] / n:.4f} | {r['pairs']} | "
@@ -390,6 +420,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--max-steps-per-trace", type=int, default=None, help="the gate's B (default: the config's)"
+    )
+    parser.add_argument(
+        "--agent-tasks", type=int, default=24, help="real pyfix episodes of the agents variants"
     )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))

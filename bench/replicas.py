@@ -12,7 +12,10 @@ its rounds. The last line is
     replicas_ratio = rollouts/s with 2 replicas / rollouts/s with 1        (target >= 1.8)
 
 The relay runs in the benchmark's process, as it would in the orchestrator's, and needs CPU too:
-on a 2-core machine the two servers and the caller share the cores, so expect less than 2. To show
+on a 2-core machine the two servers and the caller share the cores, so expect less than 2. A
+third phase, ``2 direct``, spreads the same calls with the pool's own choice but without the relay
+(the caller sends each call to the replica it acquired), which shows what the relay's extra hop
+costs (``replicas_ratio_direct``, printed before the ratio). To show
 where a ratio below 2 comes from, each phase also reports the CPU time it used (the servers' from
 ``/proc/<pid>/stat``, the caller's and relay's from ``getrusage``) per rollout and in cores (CPU
 seconds / wall seconds): 2 replicas reach 2x only if their phase gets the cores that twice the
@@ -20,7 +23,7 @@ seconds / wall seconds): 2 replicas reach 2x only if their phase gets the cores 
 replica's when a decode step costs about the same at half the batch (a small model on a CPU). ``cores_free`` is the CPUs this process may use minus the 1-minute load
 average of everything else (measured before the servers start).
 
-    uv run python bench/replicas.py                      # ~2 min
+    uv run python bench/replicas.py                      # ~1.5 min on a quiet machine
     uv run python bench/replicas.py --rounds 3 --num-rollouts 64
 """
 
@@ -31,7 +34,6 @@ import asyncio
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,12 +44,6 @@ from statistics import median
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def build_model(args: argparse.Namespace) -> Path:
@@ -62,6 +58,7 @@ def build_model(args: argparse.Namespace) -> Path:
 def start_server(model: Path, work: Path, index: int) -> tuple[subprocess.Popen[bytes], str]:
     from prime_composer.config.base import ModelConfig
     from prime_composer.config.inference import InferenceConfig
+    from prime_composer.config.ports import free_port
 
     port = free_port()
     config = InferenceConfig(
@@ -112,16 +109,22 @@ def own_cpu_seconds() -> float:
 
 
 async def measure(
-    urls: list[str], pids: list[int], args: argparse.Namespace, model: str
+    urls: list[str], pids: list[int], args: argparse.Namespace, model: str, direct: bool = False
 ) -> tuple[float, float, float, float]:
     """Rollouts per second of ``args.num_rollouts`` generate calls, ``args.concurrency`` in flight
     (after a warm-up), and over those same calls: the servers' (``pids``) CPU seconds per rollout,
-    the caller's and relay's, and the cores used (all CPU seconds / wall seconds)."""
+    the caller's and relay's, and the cores used (all CPU seconds / wall seconds).
+
+    ``direct``: the caller takes each call's replica from the pool itself (the same least-in-flight
+    choice, ``acquire``/``release``) and calls that server, without the relay's extra HTTP hop; what
+    the replicas give when routing costs nothing (rollouts need the relay: one ``base_url``)."""
+    from contextlib import nullcontext
+
     from prime_composer.orchestrator.replicas import ReplicaPool, rollout_url
 
     pool = ReplicaPool(urls)
     params = {"max_tokens": args.max_tokens, "temperature": 1.0, "logprobs": 0, "n": 1, "ignore_eos": True}
-    async with pool, rollout_url(pool) as base_url:
+    async with pool, nullcontext(urls[0]) if direct else rollout_url(pool) as base_url:
         root = base_url.removesuffix("/v1")
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=args.concurrency)
         async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -133,8 +136,14 @@ async def measure(
                 while not queue.empty():
                     i = queue.get_nowait()
                     body = {"model": model, "token_ids": [5 + i % 50, 6, 7, 8], "sampling_params": params}
-                    response = await client.post(f"{root}/inference/v1/generate", json=body)
-                    response.raise_for_status()
+                    replica = pool.acquire() if direct else None
+                    url = replica.url if replica is not None else root
+                    try:
+                        response = await client.post(f"{url}/inference/v1/generate", json=body)
+                        response.raise_for_status()
+                    finally:
+                        if replica is not None:
+                            pool.release(replica)
 
             await asyncio.gather(*(worker() for _ in range(min(4, args.concurrency))))  # warm
             for i in range(args.num_rollouts):
@@ -169,19 +178,23 @@ def main() -> None:
                 wait_healthy(url, proc)
             urls = [url for _, url in servers]
             pids = [proc.pid for proc, _ in servers]
-            one: list[float] = []
-            two: list[float] = []
-            cores: dict[int, list[float]] = {1: [], 2: []}
-            cpu_per_rollout: dict[int, list[float]] = {1: [], 2: []}
+            # Phases: 1 replica, 2 through the relay (the orchestrator's path), 2 called directly.
+            phases = {"1": (1, False), "2": (2, False), "2 direct": (2, True)}
+            rates: dict[str, list[float]] = {name: [] for name in phases}
+            cores: dict[str, list[float]] = {name: [] for name in phases}
+            cpu_per_rollout: dict[str, list[float]] = {name: [] for name in phases}
             for r in range(args.rounds):
-                for n, rates in ((1, one), (2, two)):
-                    rate, server_s, own_s, used = asyncio.run(measure(urls[:n], pids[:n], args, str(model)))
-                    rates.append(rate)
-                    cores[n].append(used)
-                    cpu_per_rollout[n].append(server_s + own_s)
+                for name, (n, direct) in phases.items():
+                    rate, server_s, own_s, used = asyncio.run(
+                        measure(urls[:n], pids[:n], args, str(model), direct=direct)
+                    )
+                    rates[name].append(rate)
+                    cores[name].append(used)
+                    cpu_per_rollout[name].append(server_s + own_s)
+                    caller = "caller" if direct or n == 1 else "caller + relay"
                     print(
-                        f"round {r}: {n} replica(s) {rate:.2f} rollouts/s; CPU per rollout: servers "
-                        f"{server_s * 1000:.0f} ms, caller + relay {own_s * 1000:.0f} ms; {used:.2f} cores",
+                        f"round {r}: {name} replica(s) {rate:.2f} rollouts/s; CPU per rollout: servers "
+                        f"{server_s * 1000:.0f} ms, {caller} {own_s * 1000:.0f} ms; {used:.2f} cores",
                         flush=True,
                     )
         finally:
@@ -198,15 +211,19 @@ def main() -> None:
     )
     # Twice the 1-replica rate at the 2-replica phase's CPU cost per rollout (which is higher when
     # each server's batch is half as large and a decode step costs about the same either way).
-    needed = 2 * median(one) * median(cpu_per_rollout[2])
+    one, two, direct = (median(rates[name]) for name in ("1", "2", "2 direct"))
+    needed = 2 * one * median(cpu_per_rollout["2"])
+    per_rollout = ", ".join(f"{name}: {median(v) * 1000:.0f} ms" for name, v in cpu_per_rollout.items())
+    used = ", ".join(f"{name}: {median(v):.2f}" for name, v in cores.items())
     print(
         f"cpus={num_cpus} cores_free={cores_free:.2f} (before the servers started); CPU per rollout: "
-        f"1 replica {median(cpu_per_rollout[1]) * 1000:.0f} ms, 2 replicas {median(cpu_per_rollout[2]) * 1000:.0f} ms; "
-        f"cores used: 1 replica {median(cores[1]):.2f}, 2 replicas {median(cores[2]):.2f} (2x needs {needed:.2f})"
+        f"{per_rollout}; cores used: {used} (2x needs {needed:.2f})"
     )
-    print(f"replicas_1_rollouts_per_s={median(one):.3f}")
-    print(f"replicas_2_rollouts_per_s={median(two):.3f}")
-    print(f"replicas_ratio={median(two) / median(one):.3f}")
+    print(f"replicas_1_rollouts_per_s={one:.3f}")
+    print(f"replicas_2_rollouts_per_s={two:.3f}")
+    print(f"replicas_2_direct_rollouts_per_s={direct:.3f}")
+    print(f"replicas_ratio_direct={direct / one:.3f}")
+    print(f"replicas_ratio={two / one:.3f}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ the resident size before the model was built (large allocations are mmapped, see
 optimizer state, the EMA teacher copy and activations.
 
 The last line is ``overhead_all=X overhead_30=Y``, each the larger of the step-time ratio and the
-peak-memory ratio against ``base`` (targets: X <= 1.5, Y <= 1.2); the line before gives both ratios.
+peak-memory ratio against ``base`` (targets: X <= 1.5, Y <= 1.12 on the small preset); the line before gives both ratios.
 
 Run::
 

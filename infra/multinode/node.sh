@@ -25,9 +25,12 @@ if [ "$node" -lt "$NUM_TRAIN_NODES" ]; then
     args+=(--launch.rdzv-endpoint "$head:$RDZV_PORT" --launch.private-network true)
   fi
   if [ "$NUM_INFER_NODES" -gt 0 ]; then
-    args+=(--launch.remote-inference true --orchestrator.base-url "[${urls%,}]")
+    # plain HTTP to the inference nodes: the cluster network is private (as for the rendezvous)
+    args+=(--launch.remote-inference true --orchestrator.base-url "[${urls%,}]"
+           --orchestrator.inference-private-network true)
   fi
 else  # an inference node: one server for the orchestrator on trainer node 0
-  args+=(--launch.processes '["inference"]' --inference.host 0.0.0.0 --inference.port "$INFERENCE_PORT")
+  args+=(--launch.processes '["inference"]' --inference.host 0.0.0.0 --inference.port "$INFERENCE_PORT"
+         --inference.private-network true)
 fi
 exec uv run rl "${args[@]}" "$@"

@@ -15,6 +15,7 @@ ends the wait with its reason (the process died, a signal came).
 from __future__ import annotations
 
 import http.client
+import ssl
 import time
 import urllib.request
 from collections.abc import Callable
@@ -33,10 +34,13 @@ class Waited:
     """The healthy answer's body."""
 
 
-def poll_health(url: str, request_timeout_s: float = 2.0) -> bytes | None:
-    """The body of ``GET url`` if it answers 200 within ``request_timeout_s``, else ``None``."""
+def poll_health(
+    url: str, request_timeout_s: float = 2.0, context: ssl.SSLContext | None = None
+) -> bytes | None:
+    """The body of ``GET url`` if it answers 200 within ``request_timeout_s``, else ``None``
+    (``context``: how an ``https://`` server's certificate is checked; None: the system's CAs)."""
     try:
-        with urllib.request.urlopen(url, timeout=request_timeout_s) as response:
+        with urllib.request.urlopen(url, timeout=request_timeout_s, context=context) as response:
             return bytes(response.read()) if response.status == 200 else None
     except (OSError, http.client.HTTPException):  # refused, reset, timed out, an error status
         return None
@@ -49,13 +53,14 @@ def wait_healthy(
     poll_s: float = 1.0,
     request_timeout_s: float = 2.0,
     give_up: Callable[[], str | None] | None = None,
+    context: ssl.SSLContext | None = None,
 ) -> Waited:
     """Poll ``url`` until it answers 200, ``give_up`` returns a reason, or ``timeout_s`` passes."""
     start = time.monotonic()
     while True:
         if give_up is not None and (reason := give_up()) is not None:
             return Waited(False, time.monotonic() - start, reason)
-        body = poll_health(url, request_timeout_s)
+        body = poll_health(url, request_timeout_s, context)
         if body is not None:
             return Waited(True, time.monotonic() - start, body=body)
         if time.monotonic() - start > timeout_s:

@@ -4,6 +4,7 @@ backend's middleware imports this inside vLLM's own environment, and config/ val
 from __future__ import annotations
 
 import ipaddress
+from urllib.parse import urlsplit
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 
@@ -32,3 +33,21 @@ def client_url(bind_host: str, port: int) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"http://{host}:{port}"
+
+
+def peer_url_problem(value: str, *, private_network: bool, flag: str, pin_word: str = "the") -> str | None:
+    """What is wrong with a peer given as ``https://host:port@sha256:<fingerprint>`` (or plain
+    ``http://`` on loopback, or off it where ``flag``, the key saying the link is private, is
+    set), or None when it will do. The caller prefixes its key and value."""
+    url, _, pin = value.partition("@")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "expected https://host:port@sha256:<fp>"
+    if parts.scheme == "https" and not pin:
+        return f"pin {pin_word} certificate (@sha256:<fp>)"
+    if parts.scheme == "http" and not is_loopback(parts.hostname) and not private_network:
+        return (
+            "plain HTTP off loopback; use https://host:port@sha256:<fp> (the server's --tls-cert; "
+            f"`rl certs` makes one), or {flag} = true if the link is already private"
+        )
+    return None

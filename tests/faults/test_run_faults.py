@@ -39,14 +39,24 @@ def test_a_context_too_short_for_any_rollout_is_refused_before_the_run(tmp_path:
 
 
 @pytest.mark.slow
-def test_a_destroyed_policy_stops_the_run(tmp_path: Path) -> None:
-    # A short warm-up, so that rewards differ within groups and the first step really trains
-    # (from the random model every group is all zeros and nothing would be trained on at all).
-    # Steps to spare: a step whose groups all tie trains nothing, and each stop needs a few bad
-    # steps in a row (synchronous, so that the first bad weights reach the very next rollouts).
-    warm = ("--max-steps", "12", "--max-async-level", "0", "--warmup.max-steps", "20")
+def test_a_destroyed_policy_stops_the_run(tmp_path: Path, quickstart_warmup: Path) -> None:
+    # From the quickstart's short warm-up (trained once per test run, tests/conftest.py), so that
+    # rewards differ within groups and the first step really trains (from the random model every
+    # group is all zeros and nothing would be trained on at all). Steps to spare: a step whose
+    # groups all tie trains nothing, and each stop needs a few bad steps in a row (synchronous,
+    # so that the first bad weights reach the very next rollouts).
+    warm = (
+        "--max-steps",
+        "12",
+        "--max-async-level",
+        "0",
+        "--no-warmup.enabled",
+        "--model.name",
+        str(quickstart_warmup),
+    )
     quiet = ("--orchestrator.eval.interval", "0", "--ckpt.interval", "0")
-    proc = _helpers.run_rl(tmp_path, *warm, *quiet, "--trainer.optim.lr", "1.0", timeout=600)
+    stops = ("--orchestrator.failure.max-empty-steps", "3")  # the default, which the helpers raise
+    proc = _helpers.run_rl(tmp_path, *warm, *quiet, *stops, "--trainer.optim.lr", "1.0", timeout=600)
     assert proc.returncode != 0 and "rl: done" not in proc.stdout
     logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
     # The trainer sees the loss go non-finite, or the huge (finite) weights it published make

@@ -13,6 +13,8 @@ With ``BENCH_STEPS`` > 0 it then times that many more steps and prints the mean 
 
 from __future__ import annotations
 
+import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -39,6 +41,18 @@ MODEL = ModelConfig(name="builtin:tiny-qwen3", dtype="float32")
 # rounding differences of a reduce-scatter cannot flip the sign of near-zero gradients' updates.
 OPTIM = OptimConfig(lr=1e-3, eps=1e-3, weight_decay=0.1, max_grad_norm=1.0)
 MICRO_BATCH_SIZE = 2
+NUM_SAMPLES = 8  # 2 ranks x 2 micro-batches x 2
+
+
+def write_data(path: Path) -> Path:
+    """The step's chat samples (additions of varied prompt lengths) as JSONL at ``path``."""
+    rng = random.Random(11)
+    with path.open("w") as f:
+        for _ in range(NUM_SAMPLES):
+            a, b = rng.randint(0, 999), rng.randint(0, 999)
+            user = {"role": "user", "content": f"Compute {a} plus {b}" + " please" * rng.randint(0, 4)}
+            f.write(json.dumps({"messages": [user, {"role": "assistant", "content": str(a + b)}]}) + "\n")
+    return path
 
 
 def main(data: Path, out: Path, bench_steps: int) -> None:

@@ -2,9 +2,12 @@
 
 Every loss term is on: RL with the KL reference (a frozen sharded copy) and SDPO with an EMA
 teacher (another sharded copy). Each rank trains on its own micro-batches of the same packed step;
-rank 0 writes the gathered full gradients, the step's loss and metrics to ``<out>/rank0.pt``.
+rank 0 writes the gathered full gradients, the step's loss and metrics to ``<out>/<mode>.pt``, for
+each mode given (``defer``: the gradient reduce-scatter deferred to the last micro-batch;
+``every``: after every micro-batch), each from freshly loaded weights, in one launch (a torchrun
+start-up costs more than the steps).
 
-    torchrun --standalone --nproc-per-node 2 tests/integration/rl_fsdp_worker.py OUT DEFER
+    torchrun --standalone --nproc-per-node 2 tests/integration/rl_fsdp_worker.py OUT MODE [MODE...]
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from prime_composer.orchestrator.sample import Sample
 from prime_composer.orchestrator.sdpo.packing import SDPOPacker
 from prime_composer.orchestrator.sdpo.target import set_sdpo_target
 from prime_composer.trainer.losses.base import TermContext, build_terms
-from prime_composer.trainer.model import close_distributed, init_distributed, load_model, shard_model
+from prime_composer.trainer.model import World, close_distributed, init_distributed, load_model, shard_model
 from prime_composer.trainer.step import train_step
 from prime_composer.transport.batch import MicroBatch
 
@@ -60,10 +63,8 @@ def packed(num_ranks: int) -> list[list[MicroBatch]]:
     return rank_batches
 
 
-def main(out: Path, defer: bool) -> None:
-    torch.set_num_threads(1)
-    world = init_distributed()
-    assert world.world_size == 2, world
+def step(world: World, defer: bool) -> dict[str, object]:
+    """One sharded step from freshly loaded weights; rank 0's gathered full gradients."""
     model = shard_model(load_model(MODEL, torch.device("cpu"))[0], world, mixed_precision=False)
     context = TermContext(
         model,
@@ -75,10 +76,20 @@ def main(out: Path, defer: bool) -> None:
         model, packed(2)[world.rank], terms, world.device, world.world_size, defer_grad_sync=defer
     )
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-    if world.is_main:
-        torch.save({"grads": grads, "loss": result.loss, "metrics": result.metrics}, out / "rank0.pt")
+    return {"grads": grads, "loss": result.loss, "metrics": result.metrics}
+
+
+def main(out: Path, modes: list[str]) -> None:
+    torch.set_num_threads(1)
+    world = init_distributed()
+    assert world.world_size == 2, world
+    for mode in modes:
+        assert mode in ("defer", "every"), mode
+        result = step(world, defer=mode == "defer")
+        if world.is_main:
+            torch.save(result, out / f"{mode}.pt")
     close_distributed()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] == "defer")
+    main(Path(sys.argv[1]), sys.argv[2:])

@@ -2,7 +2,7 @@
 
 The reference here shares no sharding code: transformers' own loss per sample (mean over
 labels, times the count), one plain backward, ``torch.nn.utils.clip_grad_norm_``. The workers
-(``fsdp_worker.py``) shard per decoder layer + root, split the batch over ranks and micro-batches
+(``fsdp_worker.py``, in the ``torchrun`` shared by the 2-rank tests: ``two_rank_workers.py``) shard per decoder layer + root, split the batch over ranks and micro-batches
 and normalise by the global token count. Gradients, the clipped norm and the updated weights
 must agree within 1e-5; the gathered full state dict, the exported HF directory and the 2-rank
 DCP checkpoint (loaded into 1 process, so resharded) must all hold those same weights.
@@ -10,11 +10,8 @@ DCP checkpoint (loaded into 1 process, so resharded) must all hold those same we
 
 from __future__ import annotations
 
-import json
-import os
-import random
-import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,23 +23,10 @@ from prime_composer.trainer.model import World, load_model
 from prime_composer.trainer.optim import build_optimizer
 from prime_composer.trainer.sft_data import load_sft_samples
 
-WORKER = Path(__file__).with_name("fsdp_worker.py")
-sys.path.insert(0, str(WORKER.parent))
-from fsdp_worker import MODEL, OPTIM  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+from fsdp_worker import MODEL, OPTIM
 
 pytestmark = pytest.mark.slow  # more than ~30 s on 2 cores: left out of the fast lane
-
-NUM_SAMPLES = 8  # 2 ranks x 2 micro-batches x 2
-
-
-def _data(path: Path) -> Path:
-    rng = random.Random(11)
-    with path.open("w") as f:
-        for _ in range(NUM_SAMPLES):
-            a, b = rng.randint(0, 999), rng.randint(0, 999)
-            user = {"role": "user", "content": f"Compute {a} plus {b}" + " please" * rng.randint(0, 4)}
-            f.write(json.dumps({"messages": [user, {"role": "assistant", "content": str(a + b)}]}) + "\n")
-    return path
 
 
 def _reference(data: Path) -> tuple[dict, torch.Tensor, dict]:
@@ -63,25 +47,9 @@ def _reference(data: Path) -> tuple[dict, torch.Tensor, dict]:
     return grads, norm, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_fsdp2_two_ranks_match_one_process(tmp_path):
-    data = _data(tmp_path / "data.jsonl")
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(WORKER),
-        str(data),
-        str(out),
-    ]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-
+def test_fsdp2_two_ranks_match_one_process(two_rank_runs: Callable[[str], Path]) -> None:
+    out = two_rank_runs("fsdp")  # fsdp_worker.main on fsdp_worker.write_data's samples
+    data = out / "data.jsonl"
     sharded = torch.load(out / "rank0.pt", weights_only=True)
     grads, norm, weights = _reference(data)
 

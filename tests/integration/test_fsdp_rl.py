@@ -8,9 +8,8 @@ compared with and without deferring the gradient reduce-scatter to the last micr
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,9 +20,8 @@ from prime_composer.trainer.model import load_model
 from prime_composer.trainer.step import train_step
 from prime_composer.transport.groups import SDPOGroup
 
-WORKER = Path(__file__).with_name("rl_fsdp_worker.py")
-sys.path.insert(0, str(WORKER.parent))
-from rl_fsdp_worker import LOSS, MODEL, packed  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+from rl_fsdp_worker import LOSS, MODEL, packed
 
 
 def _unsharded() -> tuple[dict, float, dict]:
@@ -34,21 +32,33 @@ def _unsharded() -> tuple[dict, float, dict]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}, float(result.loss), result.metrics
 
 
+MODES = ("defer", "every")
+
+
+@pytest.fixture(scope="module")
+def runs(two_rank_runs: Callable[[str], Path]) -> dict[str, dict]:
+    """Both modes' sharded steps (``rl_fsdp_worker.main``, in the ``torchrun`` shared by the 2-rank
+    tests: ``two_rank_workers.py``)."""
+    out = two_rank_runs("rl_fsdp")
+    return {mode: torch.load(out / f"{mode}.pt", weights_only=True) for mode in MODES}
+
+
+@pytest.fixture(scope="module")
+def unsharded() -> tuple[dict, float, dict]:
+    return _unsharded()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("defer", ["defer", "every"])
-def test_two_ranks_match_one_process(tmp_path: Path, defer: str) -> None:
+@pytest.mark.parametrize("defer", MODES)
+def test_two_ranks_match_one_process(
+    runs: dict[str, dict], unsharded: tuple[dict, float, dict], defer: str
+) -> None:
     ranks = packed(2)
     # Rank 1 must hold a micro-batch without hints where rank 0 has some: the dummy teacher row.
     hinted = [[mb.group(SDPOGroup) is not None for mb in r] for r in ranks]
     assert any(a != b for a, b in zip(*hinted, strict=True)), hinted
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    result = subprocess.run(
-        [*cmd, str(WORKER), str(tmp_path), defer], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    sharded = torch.load(tmp_path / "rank0.pt", weights_only=True)
-    grads, loss, metrics = _unsharded()
+    sharded = runs[defer]
+    grads, loss, metrics = unsharded
     assert float(sharded["loss"]) == pytest.approx(loss, rel=1e-5)
     for key in ("loss/rl", "loss/sdpo", "sdpo/num_tokens", "rl/kl_ref", "rl/entropy"):
         assert sharded["metrics"][key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key

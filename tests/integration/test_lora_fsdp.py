@@ -8,9 +8,8 @@ process, so resharded) must agree with the unsharded run within float32 reductio
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,57 +19,48 @@ from prime_composer.trainer.model import World
 from prime_composer.trainer.train import Trainer
 from prime_composer.transport.adapter import load_adapter
 
-WORKER = Path(__file__).with_name("lora_fsdp_worker.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+sys.path.insert(0, str(Path(__file__).parent))
 
-pytestmark = pytest.mark.slow  # two runs of the trainer and torchrun's start-up: ~1 min on 2 cores
+pytestmark = pytest.mark.slow  # the unsharded trainer run and the shared 2-rank launch: ~1 min on 2 cores
 
 
-def _run(out: Path, num_ranks: int) -> dict:
-    cmd = [sys.executable, str(WORKER), str(out)]
-    if num_ranks > 1:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            *cmd[1:],
-        ]
-    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=400)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+def _single(out: Path) -> dict:
+    """The unsharded reference: ``lora_fsdp_worker.main`` in this process (no ``RANK`` in the
+    environment: one process, no process group; its ``Trainer`` seeds torch itself)."""
+    from lora_fsdp_worker import main
+
+    main(out)
     return torch.load(out / "result.pt", weights_only=True)
 
 
-def test_two_ranks_match_one_process(tmp_path: Path) -> None:
+def test_two_ranks_match_one_process(tmp_path: Path, two_rank_runs: Callable[[str], Path]) -> None:
     from transformers import AutoModelForCausalLM
 
-    sharded = _run(tmp_path / "sharded", 2)
-    single = _run(tmp_path / "single", 1)
+    sharded_dir = two_rank_runs("lora_fsdp")  # the 2-rank run, in two_rank_workers.py's torchrun
+    sharded = torch.load(sharded_dir / "result.pt", weights_only=True)
+    single = _single(tmp_path / "single")
     assert sharded["losses"] == pytest.approx(single["losses"], rel=1e-5, abs=1e-7)
     assert sharded["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4)
     assert single["grad_norms"][1] > 0
 
     for step in (1, 2):
-        ours = load_adapter(tmp_path / "sharded" / "run" / "broadcasts" / f"step_{step}")
+        ours = load_adapter(sharded_dir / "run" / "broadcasts" / f"step_{step}")
         ref = load_adapter(tmp_path / "single" / "run" / "broadcasts" / f"step_{step}")
         assert ours.config["r"] == ref.config["r"] == 4
         assert ours.state_dict.keys() == ref.state_dict.keys()
         for key, tensor in ref.state_dict.items():
             torch.testing.assert_close(ours.state_dict[key], tensor, rtol=1e-4, atol=1e-6, msg=key)
 
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded" / "run" / "final").state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(sharded_dir / "run" / "final").state_dict()
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "single" / "run" / "final").state_dict()
     assert merged.keys() == reference.keys()
     for key, tensor in reference.items():
         torch.testing.assert_close(merged[key], tensor, rtol=1e-4, atol=1e-6, msg=key)
 
     # The 2-rank checkpoint loads into one process: the same adapter as the unsharded run's.
-    sys.path.insert(0, str(WORKER.parent))
     from lora_fsdp_worker import NUM_STEPS, config
 
-    resumed = Trainer(config(tmp_path / "sharded"), World(0, 1, 0, torch.device("cpu")))
+    resumed = Trainer(config(sharded_dir), World(0, 1, 0, torch.device("cpu")))
     resumed.ckpt.load(NUM_STEPS, resumed.model, resumed.optimizer, resumed.scheduler)
     final = load_adapter(tmp_path / "single" / "run" / "broadcasts" / f"step_{NUM_STEPS}")
     from prime_composer.trainer.lora import adapter_state_dict

@@ -2,8 +2,9 @@
 in the real sandbox and over streamable HTTP on loopback, its tools in a ``Toolset`` beside the
 sandbox's, and a scripted agent episode that calls one and sees its answer in the next prompt.
 
-Each stdio call is a sandbox run that starts the server (``orchestrator/mcp_tools.py``), about
-3 s of CPU for the SDK's imports, so the module keeps the number of calls small."""
+A stdio server lives for the episode (``lifetime = "episode"``, paused between its calls) or
+starts for each call (``"call"``); each start costs about 3 s of CPU for the SDK's imports
+(``orchestrator/mcp_tools.py``), so the module keeps the number of starts small."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,10 +27,13 @@ from prime_composer.config.env import AgentLoopConfig, McpServerConfig
 from prime_composer.config.ports import free_port
 from prime_composer.config.sandbox import SandboxConfig, ToolsConfig
 from prime_composer.model.resolve import resolve_model_name
+from prime_composer.orchestrator.agent_task import AgentTaskData
 from prime_composer.orchestrator.chat_render import ChatRenderer
 from prime_composer.orchestrator.episode import Generation, run_episode
 from prime_composer.orchestrator.mcp_tools import McpError, mcp_tools
+from prime_composer.orchestrator.rollout import _agent_metrics
 from prime_composer.sandbox import Sandbox, Toolset, Workspace
+from prime_composer.sandbox.server import _processes_of
 from prime_composer.tool_calls import get_parser
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="isolated runs need root")
@@ -64,7 +69,7 @@ def call(tools: Toolset, name: str, **arguments: Any) -> Any:
 
 def test_stdio_server_tools_sit_beside_the_sandbox_tools(toolset: Toolset) -> None:
     names = [d["function"]["name"] for d in toolset.definitions()]
-    assert names == ["read_file", "run", "add", "append_note", "fail", "nap"]
+    assert names == ["read_file", "run", "add", "append_note", "fail", "nap", "count", "crash", "limits"]
     add = toolset.definitions()[2]["function"]
     assert add["description"] == "Add two integers."
     assert add["parameters"]["required"] == ["a", "b"]
@@ -73,7 +78,7 @@ def test_stdio_server_tools_sit_beside_the_sandbox_tools(toolset: Toolset) -> No
 
 def test_stdio_calls_run_in_the_sandbox_on_the_episode_workspace(toolset: Toolset) -> None:
     result = call(toolset, "add", a=2, b=40)
-    assert result.content == "42" and result.record.ok and result.record.run["exit_code"] == 0
+    assert result.content == "42" and result.record.ok and result.record.run is None
     # The server ran as the workspace's user in its folder: its file is the episode's file.
     note = call(toolset, "append_note", text="from mcp")
     assert note.content == "from mcp\n"
@@ -87,6 +92,108 @@ def test_stdio_calls_run_in_the_sandbox_on_the_episode_workspace(toolset: Toolse
     # (The SDK's server hides the exception's text from the client.)
     assert failed.content == "Error: Error executing tool fail"
     assert failed.record.error == "mcp_tool_error" and not failed.record.ok
+
+
+def uid_processes(uid: int | None) -> list[tuple[int, str]]:
+    """(pid, state) of every process of ``uid`` on the machine (read from ``/proc``, not the code's cgroup)."""
+    assert uid is not None
+    states = []
+    for entry in os.scandir("/proc"):
+        try:
+            text = Path(entry.path, "status").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        fields = dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+        if fields.get("Uid", "").split()[:1] == [str(uid)]:
+            states.append((int(entry.name), fields["State"][0]))
+    return states
+
+
+def test_one_server_process_serves_the_episode_and_is_stopped_between_calls(toolset: Toolset) -> None:
+    """The server keeps its memory across calls (its counter goes on), runs as the workspace's
+    user under the sandbox's limits, and between calls every process of that user is stopped
+    (SIGSTOP), so the file tools and ``run`` work with nothing sandboxed running beside them."""
+    first = int(call(toolset, "count").content)
+    assert call(toolset, "count").content == str(first + 1)
+    processes = uid_processes(toolset.workspace.uid)
+    assert processes and all(state == "T" for _, state in processes), processes
+    assert call(toolset, "run", command="echo between").content.endswith("between")
+    assert uid_processes(toolset.workspace.uid) == processes  # the same process, still stopped
+    seen = json.loads(call(toolset, "limits").content)
+    assert seen == {"uid": toolset.workspace.uid, "nofile": toolset.sandbox.config.limits.max_open_files}
+    assert call(toolset, "count").content == str(first + 2)
+    # The module's own reader agrees with the independent one above.
+    assert sorted(_processes_of(toolset.workspace.uid, [str(pid) for pid, _ in processes])) == processes
+
+
+def test_lifetime_call_starts_the_server_for_each_call(sandbox: Sandbox, workspace: Workspace) -> None:
+    per_call = STDIO.model_copy(update={"lifetime": "call", "tools": ["count"]})
+    toolset = Toolset(
+        sandbox, workspace, ToolsConfig(enabled=[]), extra_tools=mcp_tools([per_call], sandbox, workspace)
+    )
+    for _ in range(2):
+        result = call(toolset, "count")
+        assert result.content == "1" and result.record.run["exit_code"] == 0
+
+
+def test_a_server_that_dies_or_times_out_is_a_tool_error_and_restarts_at_most_max_restarts_times(
+    sandbox: Sandbox, tmp_path: Path
+) -> None:
+    (tmp_path / "mcp_server.py").write_text(SERVER.read_text())
+    # timeout_s leaves room for the first call's start-up (~3 s of CPU), not for a 10-minute nap.
+    server = STDIO.model_copy(update={"max_restarts": 2, "timeout_s": 30, "tools": ["count", "crash", "nap"]})
+    with sandbox.workspace(tmp_path) as workspace:
+        toolset = Toolset(
+            sandbox, workspace, ToolsConfig(enabled=[]), extra_tools=mcp_tools([server], sandbox, workspace)
+        )
+        assert call(toolset, "count").content == "1"
+        slow = call(toolset, "nap", seconds=600)
+        assert slow.record.error == "timeout" and 30 <= slow.record.duration_s < 60
+        assert slow.content.startswith("Error: timed out after 30 s; the calc MCP server was stopped")
+        assert "2 restarts left" in slow.content and uid_processes(workspace.uid) == []
+        assert call(toolset, "count").content == "1"  # a new process
+        died = call(toolset, "crash", code=3)
+        assert died.record.error == "mcp_server_died" and not died.record.ok
+        assert "ended (exit code 3)" in died.content and "1 restart left" in died.content, died.content
+        assert uid_processes(workspace.uid) == []
+        assert call(toolset, "count").content == "1"  # a new process
+        died = call(toolset, "crash", code=4)
+        assert "exit code 4" in died.content and "not started again" in died.content
+        refused = call(toolset, "count")
+        assert refused.record.error == "mcp_server_died" and "ended 3 times" in refused.content
+
+
+def test_concurrent_episodes_have_their_own_servers_stopped_with_the_episode(
+    sandbox: Sandbox, tmp_path: Path
+) -> None:
+    (tmp_path / "mcp_server.py").write_text(SERVER.read_text())
+    server = STDIO.model_copy(update={"tools": ["count"]})
+    first, second = sandbox.workspace(tmp_path), sandbox.workspace(tmp_path)
+    try:
+        toolsets = [
+            Toolset(sandbox, w, ToolsConfig(enabled=[]), extra_tools=mcp_tools([server], sandbox, w))
+            for w in (first, second)
+        ]
+        answers: list[str] = ["", ""]
+
+        def count(i: int) -> None:
+            answers[i] = call(toolsets[i], "count").content
+
+        threads = [threading.Thread(target=count, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+        assert answers == ["1", "1"]
+        assert call(toolsets[0], "count").content == "2"
+        assert uid_processes(first.uid) and uid_processes(second.uid)
+        first.close()  # the episode ends: its server is killed before its uid is freed
+        assert uid_processes(first.uid) == []
+        assert call(toolsets[1], "count").content == "2"
+    finally:
+        first.close()
+        second.close()
+    assert uid_processes(second.uid) == []
 
 
 def test_bad_arguments_are_refused_before_the_server_runs(toolset: Toolset) -> None:
@@ -106,6 +213,7 @@ def test_a_server_that_outlives_its_timeout_is_killed(sandbox: Sandbox, workspac
     result = call(toolset, "nap", seconds=60)
     assert result.record.error == "timeout" and result.content.startswith("Error: timed out after 0.5 s")
     assert result.record.duration_s < 10
+    assert uid_processes(workspace.uid) == [] or all(s == "T" for _, s in uid_processes(workspace.uid))
 
 
 def test_same_names_and_missing_tools_are_errors(sandbox: Sandbox, workspace: Workspace) -> None:
@@ -151,7 +259,7 @@ def test_an_agent_episode_calls_an_mcp_tool_and_sees_its_result(toolset: Toolset
     )
     assert episode.stop == "final_answer" and len(episode.turns) == 2
     result = episode.turns[0].tool_results[0]
-    assert (result.name, result.content, result.ok, result.exit_code) == ("add", "42", True, 0)
+    assert (result.name, result.content, result.ok, result.exit_code) == ("add", "42", True, None)
     # The second prompt is the template's rendering of the conversation with the MCP tool's
     # definition and its answer: what the model saw, token for token.
     expected = tok.apply_chat_template(
@@ -165,12 +273,62 @@ def test_an_agent_episode_calls_an_mcp_tool_and_sees_its_result(toolset: Toolset
         "tool_call_id": result.call_id,
     }
     assert '"name": "add"' in expected
+    metrics = _agent_metrics(episode)
+    assert (metrics["agent/mcp_calls"], metrics["agent/mcp_errors"]) == (1.0, 0.0)
+    assert metrics["agent/mcp_call_s"] == result.duration_s > 0
+
+
+def test_the_agent_metrics_count_mcp_calls_apart(toolset: Toolset) -> None:
+    """One reply calls a sandbox tool and an MCP tool with an argument missing (refused before any
+    server runs, so no start-up is paid): two calls, one of them MCP's, and its failure."""
+    tok = AutoTokenizer.from_pretrained(resolve_model_name("builtin:tiny-qwen3"))
+    replies = [
+        '<tool_call>{"name": "read_file", "arguments": {"path": "mcp_server.py"}}</tool_call>\n'
+        '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>',
+        "Done.",
+    ]
+    episode = asyncio.run(
+        run_episode(
+            Script(tok, replies),
+            ChatRenderer(tok),
+            get_parser("hermes"),
+            [{"role": "user", "content": "Read the server, then add."}],
+            toolset,
+            AgentLoopConfig(),
+            max_reply_tokens=100,
+            max_context_tokens=None,
+        )
+    )
+    read, add = episode.turns[0].tool_results
+    assert (read.name, read.ok, read.external) == ("read_file", True, False)
+    assert (add.name, add.error, add.external) == ("add", "invalid_arguments", True)
+    metrics = _agent_metrics(episode)
+    assert metrics["agent/num_tool_calls"] == 2.0 and metrics["agent/tool_errors"] == 1.0
+    assert (metrics["agent/mcp_calls"], metrics["agent/mcp_errors"]) == (1.0, 1.0)
+    assert metrics["agent/mcp_call_s"] == add.duration_s
 
 
 @pytest.fixture(scope="module")
 def http_url() -> Iterator[str]:
+    yield from _serve_http([])
+
+
+TOKEN = "t0k3n-" + os.urandom(8).hex()
+
+
+@pytest.fixture(scope="module")
+def auth_url() -> Iterator[str]:
+    """The server behind ``Authorization: Bearer TOKEN`` (given to it in its own environment)."""
+    yield from _serve_http(["--token-env", "PC_TEST_SERVER_TOKEN"], {"PC_TEST_SERVER_TOKEN": TOKEN})
+
+
+def _serve_http(args: list[str], env: dict[str, str] | None = None) -> Iterator[str]:
     port = free_port()
-    server = subprocess.Popen([sys.executable, str(SERVER), "--http", str(port)], stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, str(SERVER), "--http", str(port), *args],
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )
     url = f"http://127.0.0.1:{port}/mcp"
     try:
         deadline = time.monotonic() + 120
@@ -200,3 +358,50 @@ def test_streamable_http_server_tools(http_url: str, sandbox: Sandbox, workspace
     gone = McpServerConfig(name="gone", url=f"http://127.0.0.1:{free_port()}/mcp", timeout_s=5)
     with pytest.raises(McpError, match="gone"):
         mcp_tools([gone], sandbox, workspace)
+
+
+def test_headers_env_sends_headers_from_the_environment(
+    auth_url: str, sandbox: Sandbox, workspace: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that wants a bearer token: refused without it or with a wrong one, served with
+    the one read from the variable ``headers_env`` names; the value is in no error or config."""
+    server = McpServerConfig(
+        name="private",
+        url=auth_url,
+        tools=["add"],
+        timeout_s=60,
+        headers_env={"Authorization": "PC_MCP_AUTH"},
+    )
+    monkeypatch.delenv("PC_MCP_AUTH", raising=False)
+    with pytest.raises(McpError, match="headers_env reads PC_MCP_AUTH, which is not set"):
+        mcp_tools([server], sandbox, workspace)
+    with pytest.raises(McpError, match=r"private.*tools/list failed"):
+        mcp_tools([server.model_copy(update={"headers_env": {}})], sandbox, workspace)
+    monkeypatch.setenv("PC_MCP_AUTH", "Bearer wrong-" + TOKEN[::-1])
+    with pytest.raises(McpError) as refused:
+        mcp_tools([server], sandbox, workspace)
+    assert TOKEN[::-1] not in str(refused.value)
+    monkeypatch.setenv("PC_MCP_AUTH", f"Bearer {TOKEN}")
+    toolset = Toolset(
+        sandbox, workspace, ToolsConfig(enabled=[]), extra_tools=mcp_tools([server], sandbox, workspace)
+    )
+    result = call(toolset, "add", a=2, b=3)
+    assert result.content == "5" and result.record.ok
+    assert TOKEN not in json.dumps(server.model_dump()) and TOKEN not in json.dumps(result.record.to_dict())
+
+
+def test_headers_env_config_errors() -> None:
+    with pytest.raises(ValueError, match="headers_env is for a url server"):
+        McpServerConfig(name="s", command=["python", "s.py"], headers_env={"Authorization": "X"})
+    with pytest.raises(ValueError, match="plain http to a host that is not loopback"):
+        McpServerConfig(name="s", url="http://10.1.2.3:80/mcp", headers_env={"Authorization": "X"})
+    with pytest.raises(ValueError, match="give the name of an environment variable"):
+        McpServerConfig(name="s", url="https://mcp.example/mcp", headers_env={"Authorization": "Bearer abc"})
+    with pytest.raises(ValueError, match="not an HTTP header name"):
+        McpServerConfig(name="s", url="https://mcp.example/mcp", headers_env={"Bad Header": "X"})
+    ok = McpServerConfig(name="s", url="https://mcp.example/mcp", headers_env={"Authorization": "MY_TOKEN"})
+    assert ok.headers_env == {"Authorization": "MY_TOKEN"}
+    # Task data cannot pick environment variables to send: only the config's servers may.
+    with pytest.raises(ValueError, match="headers_env is refused in task data"):
+        AgentTaskData(id="t", prompt="p", mcp_servers=[ok])
+    assert AgentTaskData(id="t", prompt="p", mcp_servers=[ok.model_copy(update={"headers_env": {}})])

@@ -45,10 +45,12 @@ progress = false
 health_timeout_s = 200
 [inference]
 secret_env = "TEST_INFERENCE_SECRET"
+private_network = true  # the worker's link stays plain HTTP here: the test reads what crosses it
 num_threads = 1
 max_model_len = 128
 [orchestrator]
 base_url = "http://10.77.0.2:{WORKER_PORT}/v1"
+inference_private_network = true
 batch_size = 8
 group_size = 4
 seq_len = 48

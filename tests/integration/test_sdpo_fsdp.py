@@ -6,39 +6,25 @@ against a plain unsharded forward of a model holding the gathered teacher weight
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-WORKER = Path(__file__).with_name("sdpo_fsdp_worker.py")
-sys.path.insert(0, str(WORKER.parent))
-from sdpo_fsdp_worker import COMPLETION, MODEL, RATE, TEACHER_PREFIX  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+from sdpo_fsdp_worker import COMPLETION, MODEL, RATE, TEACHER_PREFIX
 
-from prime_composer.trainer.model import load_model  # noqa: E402
+from prime_composer.trainer.model import load_model
 
 pytestmark = pytest.mark.slow  # more than ~30 s on 2 cores: left out of the fast lane
 
 
-def test_ema_teacher_on_two_fsdp_ranks(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(WORKER),
-        str(tmp_path),
-    ]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
-    r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+def test_ema_teacher_on_two_fsdp_ranks(two_rank_runs: Callable[[str], Path]) -> None:
+    out = two_rank_runs("sdpo_fsdp")  # sdpo_fsdp_worker.main, in two_rank_workers.py's torchrun
+    r0 = torch.load(out / "rank0.pt", weights_only=True)
+    r1 = torch.load(out / "rank1.pt", weights_only=True)
 
     # The copy started as the policy; the EMA moved it a quarter of the way to 1.1 x.
     for name, w in r0["before"].items():

@@ -238,7 +238,7 @@ BAD_CASES: list[tuple[str, dict[str, str], list[str], list[str]]] = [
     (
         "base_url conflict",
         {},
-        ["--orchestrator.base-url", "http://10.0.0.1:1/v1"],
+        ["--orchestrator.base-url", "http://127.0.0.9:1/v1"],
         ["command line (--orchestrator.base-url)", "orchestrator.base_url", "remove orchestrator.base_url"],
     ),
     ("no- on non-bool", {}, ["--no-max-steps"], ["--no-max-steps", "'max_steps' is not a boolean"]),

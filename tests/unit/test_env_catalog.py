@@ -60,4 +60,32 @@ def test_rl_envs_prints_one_json_object_per_environment(
     assert exited.value.code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert rows[0] == {"id": "arith2", "kind": "local", "where": str((tmp_path / "arith2").resolve())}
-    assert {row["kind"] for row in rows} <= {"local", "installed", "builtin"}
+    assert {row["kind"] for row in rows} <= {"local", "installed", "builtin", "openenv"}
+
+
+def test_installed_openenv_packages_are_listed_with_the_app_that_serves_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site = tmp_path / "site"
+    # OpenEnv's layout (openenv init): openenv-<name> ships <name>/server/app.py.
+    _dist(site, "openenv-echo_env", ["openenv>=0.2.2"], module="echo_env")
+    (site / "echo_env" / "server").mkdir()
+    (site / "echo_env" / "server" / "app.py").write_text("app = None\n")
+    # Any name, depending on openenv-core, its manifest naming another app module.
+    _dist(site, "grid-game", ["openenv-core>=0.2", "numpy"], module="grid_game")
+    (site / "grid_game" / "openenv.yaml").write_text("spec_version: 1\nname: grid\napp: server.main:app\n")
+    (site / "grid_game" / "server").mkdir()
+    (site / "grid_game" / "server" / "main.py").write_text("app = None\n")
+    # Built on openenv but no server app (a client library), and a package that only shares a prefix.
+    _dist(site, "openenv-client-extras", ["openenv"], module="client_extras")
+    _dist(site, "openenvy", ["openenvy-core"], module="openenvy")
+    (site / "openenvy" / "server").mkdir()
+    (site / "openenvy" / "server" / "app.py").write_text("app = None\n")
+    monkeypatch.syspath_prepend(str(site))
+
+    entries = {e.id: e for e in catalog([tmp_path / "none"])}
+    assert entries["echo_env"].kind == "openenv"
+    assert entries["echo_env"].where == "openenv-echo_env 0.3: openenv.app = 'echo_env.server.app:app'"
+    assert entries["grid_game"].where == "grid-game 0.3: openenv.app = 'grid_game.server.main:app'"
+    assert "client_extras" not in entries and "openenvy" not in entries
+    assert [e.kind for e in catalog([tmp_path / "none"])].count("openenv") == 2

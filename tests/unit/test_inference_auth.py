@@ -56,7 +56,10 @@ def test_build_app_fails_before_loading_the_model(monkeypatch):
 
     monkeypatch.setenv("PC_TEST_SECRET", "")
     config = InferenceConfig(
-        host="0.0.0.0", secret_env="PC_TEST_SECRET", model={"name": "builtin:does-not-exist"}
+        host="0.0.0.0",
+        secret_env="PC_TEST_SECRET",
+        private_network=True,
+        model={"name": "builtin:does-not-exist"},
     )
     # The secret is checked first: the (invalid) model name is never reached.
     with pytest.raises(ValueError, match=r"inference\.secret_env"):

@@ -235,3 +235,37 @@ def test_builtin_tiny_shapes_are_parsed_and_checked() -> None:
     ]:
         with pytest.raises(ValueError, match=message):
             tiny_spec_overrides(bad)
+
+
+def test_teacher_nice_lowers_the_teachers_servers_and_the_service(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    base = os.nice(0)
+    config, _ = resolve_rl_config(["@", str(REPLAY), "--output-dir", str(tmp_path), "--teacher.nice", "4"])
+    (tmp_path / "configs").mkdir()
+    servers = teachers.server_specs(config)
+    assert len(servers) == 2
+    for spec in servers:
+        # The prefix execs the server: run it in front of a process that reports its niceness.
+        prefix = spec.argv[: spec.argv.index(sys.executable)]
+        shown = subprocess.run(
+            [*prefix, sys.executable, "-c", "import os; print(os.nice(0))"], capture_output=True, text=True
+        )
+        assert int(shown.stdout) == min(base + 4, 19)
+    config0, _ = resolve_rl_config(["@", str(REPLAY), "--output-dir", str(tmp_path), "--teacher.nice", "0"])
+    assert all(s.argv[0] == sys.executable for s in teachers.server_specs(config0))
+    # The service lowers itself before it starts (run_service replaced by a probe of the niceness).
+    probe = (
+        "import os, sys\n"
+        "import prime_composer.teacher.service as service\n"
+        "from prime_composer.config.teacher import TeacherServiceConfig\n"
+        "from prime_composer.teacher import main\n"
+        "service.run_service = lambda config: print(os.nice(0)) or 0\n"
+        f"main.run(TeacherServiceConfig(nice=3, output_dir={str(tmp_path)!r}, "
+        "pool=[{'model': 'm', 'base_url': 'http://127.0.0.1:9/v1'}]))\n"
+    )
+    shown = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert int(shown.stdout.split()[-1]) == min(base + 3, 19)

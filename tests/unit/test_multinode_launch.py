@@ -108,7 +108,13 @@ def test_one_node_with_several_ranks_keeps_the_rendezvous_on_loopback(tmp_path: 
 def test_inference_elsewhere_keeps_the_given_urls(tmp_path: Path) -> None:
     urls = '["http://10.0.0.7:8000/v1", "http://10.0.0.8:8000/v1"]'
     config = resolve(
-        tmp_path, "--launch.processes", '["orchestrator", "trainer"]', "--orchestrator.base-url", urls
+        tmp_path,
+        "--launch.processes",
+        '["orchestrator", "trainer"]',
+        "--orchestrator.base-url",
+        urls,
+        "--orchestrator.inference-private-network",
+        "true",
     )
     assert config.orchestrator.base_url == ["http://10.0.0.7:8000/v1", "http://10.0.0.8:8000/v1"]
     assert list(specs(config, tmp_path)) == ["orchestrator", "trainer"]

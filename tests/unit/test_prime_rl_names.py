@@ -149,7 +149,10 @@ def test_hendrycks_per_process_seq_len_and_an_eval_only_taskset() -> None:
 
 def test_qwen3_30b_math_multi_node(tmp_path: Path) -> None:
     urls = write(
-        tmp_path, '[orchestrator.client]\nbase_url = ["http://10.0.0.5:8000/v1", "http://10.0.0.6:8000/v1"]\n'
+        tmp_path,
+        # plain HTTP to the inference nodes, as PRIME-RL does in a cluster: said to be private
+        "[orchestrator]\ninference_private_network = true\n"
+        '[orchestrator.client]\nbase_url = ["http://10.0.0.5:8000/v1", "http://10.0.0.6:8000/v1"]\n',
     )
     config, notes = resolve("@", str(FIXTURES / "qwen3-30b-math.toml"), "@", urls)
     # 2 trainer nodes of 8 GPUs (PRIME-RL's default gpus_per_node), 2 inference nodes elsewhere.
@@ -173,6 +176,7 @@ def test_multi_node_deployment_maps_to_nodes_ranks_and_remote_inference(tmp_path
     text = (
         '[deployment]\ntype = "multi_node"\nnum_train_nodes = 3\nnum_infer_nodes = 1\ngpus_per_node = 4\n'
         "nodes_per_fsdp_group = 1\n"
+        "[orchestrator]\ninference_private_network = true\n"
         '[orchestrator.client]\nbase_url = ["http://infer-0:8000/v1"]\ntimeout = 60\n'
     )
     config, notes = resolve("@", str(FIXTURES / "reverse-text.toml"), "@", write(tmp_path, text))
@@ -238,8 +242,13 @@ def test_inference_gpus_become_replicas_of_tensor_parallel_size(tmp_path: Path) 
         ),
         (
             "[deployment]\nnum_infer_gpus = 4\n[inference.vllm]\ndata_parallel_size = 2\n",
-            r"inference.vllm.data_parallel_size = 2 \(PRIME-RL's name for inference.num_replicas\) conflicts "
-            r"with inference.num_replicas = 4",
+            r"deployment.num_infer_gpus = 4 \(PRIME-RL's name for inference.num_replicas\) conflicts "
+            r"with inference.num_replicas = 2",
+        ),
+        (
+            '[deployment]\nnum_infer_gpus = 4\n[inference]\nbackend = "vllm"\n[inference.vllm]\ndata_parallel_size = 2\n',
+            r"deployment.num_infer_gpus = 4 \(PRIME-RL's name for inference.vllm.data_parallel_size\) conflicts "
+            r"with inference.vllm.data_parallel_size = 2",
         ),
         (
             '[deployment]\ntype = "multi_node"\nnum_train_nodes = 3\nnodes_per_fsdp_group = 2\n',

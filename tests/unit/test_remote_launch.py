@@ -64,6 +64,7 @@ def test_rl_serves_the_broadcasts_and_writes_the_worker_config_with_the_bound_po
         written = json.loads((configs / remote.WORKER_CONFIG).read_text())
         assert written["weights_origin"] == f"http://127.0.0.1:{origin.port}"  # loopback: no TLS
         assert written["weights_secret_env"] == "TEST_WEIGHTS_SECRET"
+        assert written["weights_relays"] == []
         assert (written["host"], written["port"]) == ("127.0.0.1", worker.server_address[1])
         assert SECRET not in (configs / remote.WORKER_CONFIG).read_text()
         record = json.loads((configs / remote.ORIGIN_RECORD).read_text())
@@ -85,6 +86,16 @@ def test_rl_serves_the_broadcasts_and_writes_the_worker_config_with_the_bound_po
         if origin is not None:
             origin.close()
         worker.shutdown()
+
+
+def test_the_relays_of_the_origin_section_reach_the_worker_config(tmp_path: Path) -> None:
+    relay = "https://203.0.113.7:7901@sha256:" + "ab" * 32
+    config = _config(tmp_path, 8000, {"relays": [relay]})
+    worker = remote.worker_config(config, "https://10.0.0.1:7000@sha256:" + "0" * 64)
+    assert worker.weights_relays == [relay]
+    bad = _config(tmp_path, 8000, {"relays": ["https://203.0.113.7:7901"]})  # no pin
+    with pytest.raises(ConfigError, match=r"weights_relays\[0\] = .*pin the certificate"):
+        remote.worker_config(bad, "https://10.0.0.1:7000@sha256:" + "0" * 64)
 
 
 def test_rl_stops_when_a_worker_never_answers_and_closes_the_origin(
@@ -126,7 +137,7 @@ def test_what_cannot_work_with_remote_workers_is_refused_before_anything_starts(
     off = RLConfig.model_validate(
         {
             "launch": {"remote_inference": True},
-            "orchestrator": {"base_url": "http://10.0.0.7:8000/v1"},
+            "orchestrator": {"base_url": "http://10.0.0.7:8000/v1", "inference_private_network": True},
             "transport": {"weights_origin": {"enabled": True, "secret_env": "TEST_WEIGHTS_SECRET"}},
         }
     )

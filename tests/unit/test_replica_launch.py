@@ -67,10 +67,11 @@ def test_gpus_that_do_not_split_evenly_are_refused(tmp_path: Path) -> None:
 
 
 def test_base_url_takes_a_string_or_a_list() -> None:
-    assert OrchestratorConfig(base_url="http://h:1/v1").server_urls == ["http://h:1/v1"]
-    assert OrchestratorConfig(base_url=["http://h:1/v1", "http://h:2/v1"]).server_urls == [
+    private = {"inference_private_network": True}  # plain HTTP to another host says it is private
+    assert OrchestratorConfig(base_url="http://h:1/v1", **private).server_urls == ["http://h:1/v1"]
+    assert OrchestratorConfig(base_url=["http://h:1/v1", "http://h:2/v1"], **private).server_urls == [
         "http://h:1/v1",
         "http://h:2/v1",
     ]
     with pytest.raises(ValueError, match="listed twice"):
-        OrchestratorConfig(base_url=["http://h:1/v1", "http://h:1/v1"])
+        OrchestratorConfig(base_url=["http://h:1/v1", "http://h:1/v1"], **private)

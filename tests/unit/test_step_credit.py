@@ -1,10 +1,12 @@
-"""Per-step process credit (``orchestrator.advantage.process_reward_credit = "step" | "return"``):
+"""Per-step process credit (``orchestrator.advantage.process_reward_credit = "step" | "return" |
+"potential"``), the potential-based rule's telescoping identity by hand included:
 the per-turn advantages against a hand computation, their way token by token into the packed batch,
 the RL loss on them against a loop over tokens, the lookup against labels in a real store, and
 weight 0 bitwise the computation without process rewards (loss and gradient, fixed seed)."""
 
 from __future__ import annotations
 
+import logging
 from fractions import Fraction
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import torch
 from prime_composer.config.advantage import AdvantageConfig
 from prime_composer.config.loss import RLLossConfig
 from prime_composer.config.teacher import TraceSourceConfig
-from prime_composer.orchestrator.advantages import compute_advantages, filter_zero_variance
+from prime_composer.orchestrator.advantages import compute_advantages, filter_zero_variance, potential_shaping
 from prime_composer.orchestrator.episode import TurnInfo
 from prime_composer.orchestrator.packing import pack_step
 from prime_composer.orchestrator.record import EpisodeRecord
@@ -145,8 +147,10 @@ def test_weight_zero_is_bitwise_the_loss_and_gradient_without_process_rewards() 
     labels = [rewards(0.25, 1.0, -0.5), rewards(-1 / 3, -1 / 3, None), None, rewards(0.5, None, 0.5)]
     base = compute_advantages(samples, AdvantageConfig())
     results = []
-    for credit in ("sequence", "step", "return"):
-        cfg = AdvantageConfig(process_reward_weight=0.0, process_reward_credit=credit)
+    for credit in ("sequence", "step", "return", "potential"):
+        cfg = AdvantageConfig(
+            process_reward_weight=0.0, process_reward_credit=credit, process_reward_gamma=0.5
+        )
         scored = compute_advantages(samples, cfg, process_rewards=labels)
         assert all(s.turn_advantages is None for s in scored)
         results.append(scored)
@@ -247,3 +251,85 @@ def test_returns_run_across_the_samples_of_a_split_episode() -> None:
     # turn 1: 1/2 + 0.2 * (-1) = 0.3; turn 0: 1/2 + 0.2 * (0.5 - 1) = 0.4.
     flat = [a for s in out for a in s.token_advantages()]
     assert flat == pytest.approx([0.4, 0.4, 0.3, 0.3, -0.5, -0.5], abs=1e-15)
+
+
+# Potential-based credit (``process_reward_credit = "potential"``, Ng et al. 1999).
+
+
+def test_potential_shaping_changes_the_return_only_by_the_start_potential() -> None:
+    # Four turns, rewards only at the end, an arbitrary potential with Phi(s_0) != 0 and the
+    # terminal Phi(s_4) = 0; gamma = 9/10. F by hand: F_k = gamma * Phi(s_k+1) - Phi(s_k).
+    g = Fraction(9, 10)
+    phi = [Fraction(3, 10), Fraction(1), Fraction(-1, 2), Fraction(1, 4), Fraction(0)]
+    by_hand = [
+        g * 1 - Fraction(3, 10),
+        g * Fraction(-1, 2) - 1,
+        g * Fraction(1, 4) + Fraction(1, 2),
+        -Fraction(1, 4),
+    ]
+    assert potential_shaping(phi, g) == by_hand
+    assert by_hand == [Fraction(3, 5), Fraction(-29, 20), Fraction(29, 40), Fraction(-1, 4)]
+    rewards = [Fraction(0), Fraction(0), Fraction(0), Fraction(1)]
+    unshaped = sum(g**k * r for k, r in enumerate(rewards))
+    shaped = sum(g**k * (r + f) for k, (r, f) in enumerate(zip(rewards, by_hand, strict=True)))
+    assert shaped - unshaped == -phi[0]  # exactly: gamma^T * Phi(s_T) = 0
+    # The same in floats through the code's own function, as the trainer would see it.
+    floats = potential_shaping([float(p) for p in phi], 0.9)
+    assert sum(0.9**k * f for k, f in enumerate(floats)) == pytest.approx(-0.3, abs=1e-15)
+
+
+def test_potential_credit_matches_the_hand_computation_and_telescopes() -> None:
+    # GROUP: A's turns labeled 1 and -1/2, B's turn 0 labeled -1/3 and turn 1 not; w = 1/5, gamma = 1/2.
+    # Phi(s_0) = 0, Phi(s_1) = p_0, Phi(s_2) = 0 (the episode has ended): the last turn's own label
+    # never counts, and no leave-one-out baseline enters.
+    w, g = Fraction(1, 5), Fraction(1, 2)
+    f_a = [g * 1 - 0, g * 0 - 1]
+    f_b = [g * Fraction(-1, 3) - 0, g * 0 - Fraction(-1, 3)]
+    for f in (f_a, f_b):  # the episode's shaping sums to -Phi(s_0) = 0
+        assert f[0] + g * f[1] == 0
+    a = [Fraction(1, 2) + w * f for f in f_a]
+    b = [Fraction(-1, 2) + w * f for f in f_b]
+    z = Fraction(0)
+    expected = [[a[0], a[0], z, z, a[1], a[1], a[1]], [b[0], b[0], z, z, b[1], b[1], b[1]]]
+    cfg = AdvantageConfig(
+        process_reward_weight=0.2, process_reward_credit="potential", process_reward_gamma=0.5
+    )
+    out = compute_advantages(GROUP, cfg, process_rewards=PROCESS)
+    assert [s.advantage for s in out] == [0.5, -0.5]  # the outcome's advantage, unshaped
+    for sample, hand_values in zip(out, expected, strict=True):
+        assert sample.token_advantages() == pytest.approx([float(x) for x in hand_values], abs=1e-15)
+    # Every turn of a labeled episode is credited, the unlabeled one too.
+    assert [t.span for t in out[1].turn_advantages or []] == [(0, 2), (4, 7)]
+
+
+def test_potential_credit_runs_across_the_samples_of_a_split_episode() -> None:
+    def segment(trace_id: str, turn: int, reward: float) -> Sample:
+        info = TurnInfo(index=turn, span=(0, 2), message_index=None, finish_reason="stop")
+        record = EpisodeRecord(trace_id=trace_id, turns=[info], segment=turn, num_segments=3)
+        return Sample([1], [5, 6], [-0.5, -0.5], [1, 1], reward, 0, 0, 0, episode=record)
+
+    # Episode S (reward 1) in three Samples, turns 0 (label 0.5), 1 (none), 2 (label -1); T unlabeled.
+    samples = [segment("S", 0, 1.0), segment("S", 2, 1.0), segment("S", 1, 1.0), segment("T", 0, 0.0)]
+    labels = [
+        ProcessReward(-0.25, (StepReward(0, (0, 2), 0.5),)),
+        ProcessReward(-0.25, (StepReward(2, (0, 2), -1.0),)),
+        ProcessReward(-0.25, (StepReward(1, (0, 2), None),)),
+        None,
+    ]
+    cfg = AdvantageConfig(process_reward_weight=0.5, process_reward_credit="potential")
+    out = compute_advantages(samples, cfg, process_rewards=labels)
+    # By hand, gamma = 1: Phi = 0, 0.5, 0.5 (turn 1 unlabeled keeps the latest), 0 (ended).
+    # F = 0.5, 0, -0.5; A_S = 1/2, A_T = -1/2; tokens: 1/2 + 0.5 * F.
+    flat = [a for s in out for a in s.token_advantages()]
+    assert flat == [0.75, 0.75, 0.25, 0.25, 0.5, 0.5, -0.5, -0.5]
+
+
+def test_a_credit_rule_without_weight_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="prime_composer.config.advantage"):
+        AdvantageConfig(process_reward_credit="potential")
+    assert "process_reward_credit = 'potential' has no effect: process_reward_weight is 0" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="prime_composer.config.advantage"):
+        AdvantageConfig()
+        AdvantageConfig(process_reward_weight=0.1, process_reward_credit="potential")
+    assert caplog.text == ""

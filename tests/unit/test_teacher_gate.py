@@ -104,6 +104,21 @@ def test_reverted_edits_and_the_reverting_step_count_as_errors():
     assert [f.error for f in features(checkout, GateConfig(error_window=0))] == [1.0, 0.0, 1.0]
 
 
+def test_an_answer_before_any_tool_ran_counts_as_an_error_where_tools_were_offered():
+    def answer_only(tools):
+        record = {"task": "t", "tools": tools, "turns": [{"role": "user", "content": "go"}]}
+        record["turns"].append({"role": "assistant", "content": "The code looks fine to me."})
+        return parse_trace(record, "test", TraceSourceConfig())
+
+    run_tests = [{"name": "run_tests", "description": "run the tests", "parameters": {}}]
+    assert [f.error for f in features(answer_only(run_tests), GateConfig(error_window=0))] == [1.0]
+    # No tools offered (a plain question): answering at once is all there is to do.
+    assert [f.error for f in features(answer_only([]), GateConfig(error_window=0))] == [0.0]
+    # A tool ran first: the answer is judged by the errors near it, as before.
+    checked = trace_of(bash("pytest"), tool("3 passed"), {"role": "assistant", "content": "done"})
+    assert [f.error for f in features(checked, GateConfig(error_window=0))] == [0.0, 0.0]
+
+
 def test_novelty_and_score():
     trace = trace_of(bash("ls"), tool("a.py"), bash("pytest"), tool("ok"))
     first_state = trace.state_hash(1)

@@ -125,6 +125,8 @@ def test_classes_named_on_the_command_line_exist() -> None:
         ("-tp", "tensor_parallel_size"),
         ("--tool-call-parser=llama3_json", "inference.tool_call_parser"),
         ("--enable-auto-tool-choice", "inference.tool_call_parser"),
+        ("--ssl-certfile=c.pem", "inference.tls_cert"),
+        ("--ssl_keyfile", "inference.tls_key"),
     ],
 )
 def test_extra_args_may_not_override_the_backend(arg: str, names: str) -> None:
@@ -149,6 +151,17 @@ def test_client_chat_templates_need_the_config_flag(tmp_path: Path) -> None:
     assert "--trust-request-chat-template" in allowed
     with pytest.raises(ValueError, match="allow_client_chat_template"):
         check_extra_args(["--trust-request-chat-template"])
+
+
+def test_tls_serves_https_with_the_configured_files(tmp_path: Path) -> None:
+    assert "--ssl-certfile" not in build_vllm_command(_config(tmp_path), "/m")
+    cert, key = tmp_path / "tls" / "cert.pem", tmp_path / "tls" / "key.pem"
+    options = _options(build_vllm_command(_config(tmp_path, tls_cert=str(cert), tls_key=str(key)), "/m"))
+    assert options["--ssl-certfile"] == str(cert) and options["--ssl-keyfile"] == str(key)
+    # off loopback the vllm backend needs TLS (or the private-network flag), as the hf backend does
+    with pytest.raises(ValueError, match=r"inference\.host = '10\.0\.0\.2'.*plain HTTP"):
+        _config(tmp_path, host="10.0.0.2", secret_env="S")
+    assert _config(tmp_path, host="10.0.0.2", secret_env="S", tls_cert=str(cert), tls_key=str(key)).tls_cert
 
 
 def test_tool_call_parser_names_vllms_parser_of_the_same_format(tmp_path: Path) -> None:

@@ -49,6 +49,7 @@ from typing import Any
 
 import httpx
 
+from prime_composer.client.tls import InferenceTLS, async_transport
 from prime_composer.config.client import RetryConfig
 from prime_composer.wire.auth import Signer
 
@@ -133,10 +134,12 @@ class EndpointClient:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        tls: InferenceTLS | None = None,
     ) -> None:
         """``api_key`` (see ``read_api_key``) is sent as ``Authorization: Bearer``; ``signer`` signs
-        each attempt instead (one or the other); ``sleep``, ``rng`` and ``transport`` are for tests
-        (fake time, fixed jitter, an in-process server)."""
+        each attempt instead (one or the other); ``tls``: how an ``https://`` server's certificate is
+        checked (``client.tls``: a pinned fingerprint or a CA; None: the system's CAs); ``sleep``,
+        ``rng`` and ``transport`` are for tests (fake time, fixed jitter, an in-process server)."""
         if api_key and signer is not None:
             raise ValueError("EndpointClient: give an api_key or a signer, not both")
         self.base_url = base_url.rstrip("/")
@@ -150,6 +153,7 @@ class EndpointClient:
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._transport = transport
+        self._tls = tls
         self._client: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -172,11 +176,11 @@ class EndpointClient:
         if self._client is None:
             self._loop = loop
             self._semaphore = asyncio.Semaphore(self._max_concurrency) if self._max_concurrency else None
-            self._client = httpx.AsyncClient(
-                timeout=self.retry.timeout_s,
-                transport=self._transport,
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-            )
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            transport = self._transport
+            if transport is None and self._tls is not None:
+                transport = async_transport(self._tls, limits)
+            self._client = httpx.AsyncClient(timeout=self.retry.timeout_s, transport=transport, limits=limits)
         return self._client
 
     # ------------------------------------------------------------------------------------- calls

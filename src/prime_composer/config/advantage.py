@@ -6,11 +6,14 @@ sampling; the soft overlong penalty is off until ``overlong_buffer`` is set.
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from prime_composer.config.base import BaseConfig
+
+logger = logging.getLogger(__name__)
 
 
 class AdvantageConfig(BaseConfig):
@@ -43,7 +46,7 @@ class AdvantageConfig(BaseConfig):
     store: a ``[teacher]`` section (or ``orchestrator.replay.store``). ``process_reward_credit``
     says whether the whole rollout or each step gets the credit."""
 
-    process_reward_credit: Literal["sequence", "step", "return"] = "sequence"
+    process_reward_credit: Literal["sequence", "step", "return", "potential"] = "sequence"
     """Where the process rewards go (``orchestrator/advantages.py`` has the formulas). ``sequence``:
     the rollout's mean process reward shapes its reward before the group baseline (above), and all
     its tokens share one advantage. ``step``: the group advantage is that of the outcome alone, and
@@ -51,5 +54,26 @@ class AdvantageConfig(BaseConfig):
     of that turn's own action and ``b`` the mean process reward of the group's other rollouts
     (leave-one-out, PRIME-style; 0 when none is labeled); a turn no teacher labeled keeps ``A``.
     ``return``: as ``step``, but each turn gets the sum of ``p_j - b`` over itself and the later
-    labeled turns of its episode (PRIME's return-to-go, undiscounted). With ``process_reward_weight = 0`` every
-    choice is exactly the computation without process rewards."""
+    labeled turns of its episode (PRIME's return-to-go, undiscounted). ``potential``: potential-based
+    shaping (Ng et al. 1999), which cannot change the optimal policy: each turn k's tokens get
+    ``A + w * (gamma * Phi(s_k+1) - Phi(s_k))``, with ``Phi`` of a state the process reward of the
+    latest labeled step in its history (0 before any, and 0 once the episode has ended), so an
+    episode's shaping sums to a constant. With ``process_reward_weight = 0`` every choice is
+    exactly the computation without process rewards (and a non-default choice logs a warning)."""
+
+    process_reward_gamma: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Discount ``gamma`` of ``process_reward_credit = "potential"`` (ignored by the other rules)."""
+
+    @model_validator(mode="after")
+    def _credit_without_weight(self) -> AdvantageConfig:
+        if self.process_reward_weight == 0 and self.model_fields_set & {
+            "process_reward_credit",
+            "process_reward_gamma",
+        }:
+            logger.warning(
+                "orchestrator.advantage.process_reward_credit = %r has no effect: "
+                "process_reward_weight is 0 (process rewards are off); set "
+                "orchestrator.advantage.process_reward_weight > 0 to use it",
+                self.process_reward_credit,
+            )
+        return self

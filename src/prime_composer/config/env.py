@@ -9,21 +9,29 @@ with every model call. No verifiers import here: the ids are resolved by
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
 from prime_composer.config.base import BaseConfig
 from prime_composer.config.client import RetryConfig
 from prime_composer.config.sandbox import SandboxConfig, ToolsConfig
+from prime_composer.netaddr import is_loopback
+
+
+def _one_plain_reset() -> list[dict[str, Any]]:
+    """One task: ``reset()`` without arguments."""
+    return [{}]
 
 
 class McpServerConfig(BaseConfig):
     """One MCP tool server whose tools the agent loop offers beside (or instead of) the sandbox's.
 
-    ``command`` is a stdio server: it runs in the episode's sandbox, in its workspace, one run per
-    tool call (``orchestrator/mcp_tools.py`` says why), so it sees the episode's files and nothing
-    else, without network. ``url`` is a streamable-HTTP server that is already running; it is
+    ``command`` is a stdio server: it runs in the episode's sandbox, in its workspace, one process
+    for the episode (or one run per call, ``lifetime``; ``orchestrator/mcp_tools.py``), so it sees
+    the episode's files and nothing else, without network. ``url`` is a streamable-HTTP server that is already running; it is
     called from the orchestrator's process, not sandboxed.
     """
 
@@ -42,6 +50,21 @@ class McpServerConfig(BaseConfig):
     timeout_s: float = Field(default=30.0, gt=0)
     """Wall-clock limit of one tool call (server start-up included for stdio servers)."""
 
+    lifetime: Literal["episode", "call"] = "episode"
+    """A stdio server's life: ``episode`` starts it at the episode's first MCP call, keeps it
+    (paused between its calls) for every later call and stops it with the episode; ``call``
+    starts it afresh for each call (nothing kept in memory between calls; each pays the start-up)."""
+
+    max_restarts: int = Field(default=2, ge=0)
+    """With ``lifetime = "episode"``: how many times a stdio server that died (crashed, timed
+    out, was killed by a limit) is started again in one episode; past that, its calls fail."""
+
+    headers_env: dict[str, str] = Field(default_factory=dict)
+    """HTTP headers of a ``url`` server's requests, each value read from the environment variable
+    named here when the orchestrator calls it (``{Authorization = "SEARCH_MCP_AUTH"}`` with
+    ``SEARCH_MCP_AUTH="Bearer ..."``), so no secret is written in a config. Sent only over
+    ``https://`` or to a loopback host."""
+
     @model_validator(mode="after")
     def _check_transport(self) -> McpServerConfig:
         if (self.command is None) == (self.url is None):
@@ -55,7 +78,28 @@ class McpServerConfig(BaseConfig):
             raise ValueError(
                 f"mcp server {self.name!r}: url must start with http:// or https://, got {self.url!r}"
             )
+        if self.headers_env:
+            self._check_headers_env()
         return self
+
+    def _check_headers_env(self) -> None:
+        where = f"mcp server {self.name!r}: headers_env"
+        if self.url is None:
+            raise ValueError(f"{where} is for a url server; a stdio server (command) gets no HTTP headers")
+        for header, variable in self.headers_env.items():
+            if not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", header):
+                raise ValueError(f"{where}: {header!r} is not an HTTP header name")
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", variable):
+                raise ValueError(
+                    f"{where}.{header} = {variable!r}: give the name of an environment variable that holds "
+                    "the value (the value itself never goes in a config)"
+                )
+        host = urlsplit(self.url).hostname or ""
+        if self.url.startswith("http://") and not is_loopback(host):
+            raise ValueError(
+                f"{where}: {self.url} is plain http to a host that is not loopback, so the headers would "
+                "cross the network in the clear; use https:// (or a loopback address)"
+            )
 
 
 class AgentLoopConfig(BaseConfig):
@@ -122,12 +166,151 @@ class AgentLoopConfig(BaseConfig):
         return self
 
 
+class OpenEnvConfig(BaseConfig):
+    """An OpenEnv environment (``orchestrator/openenv_env.py``): a server that is running, or the
+    server app of an environment package that the orchestrator serves for the run.
+
+    Each task is one ``reset``; the episode's replies are the environment's actions, its
+    observations the next turns, its rewards (summed over the steps) the episode's reward. An
+    environment whose actions are MCP tool calls (an OpenEnv ``MCPEnvironment``) offers its tools
+    to the policy instead, and each tool call is one step.
+    """
+
+    url: str | None = None
+    """A running OpenEnv server (``http://127.0.0.1:8000``); OpenEnv servers have no
+    authentication, so only reach one over a network you trust."""
+
+    app: str | None = None
+    """``module:attribute`` of an OpenEnv server app (what ``openenv.core.env_server.create_app``
+    returns, e.g. ``my_env.server.app:app``); the orchestrator serves it with uvicorn on a free
+    port of 127.0.0.1 for as long as it runs, with this Python."""
+
+    app_dir: str | None = None
+    """Folder put first on the served app's ``PYTHONPATH`` (and its working directory), for an
+    environment package that is not installed."""
+
+    image: str | None = None
+    """A container image of an OpenEnv server (``registry/owner/env:tag``): the orchestrator runs
+    it with ``container_runtime`` (``docker run --rm -d -p 127.0.0.1:PORT:container_port IMAGE``, a
+    free port), waits for its ``/health`` and stops it (``docker stop``) when it ends."""
+
+    container_runtime: Literal["auto", "docker", "podman"] = "auto"
+    """The container CLI that runs ``image``: ``auto`` takes ``docker``, else ``podman``, from
+    ``PATH``; ``rl --dry-run`` fails when the one asked for is not there."""
+
+    container_port: int = Field(default=8000, ge=1, le=65535)
+    """The port the image's server listens on inside the container (OpenEnv images: 8000)."""
+
+    space: str | None = None
+    """A Hugging Face Space that serves an OpenEnv environment (``owner/name``): its server is
+    ``https://owner-name.hf.space`` (lower case, ``_`` and ``.`` as ``-``), used like a ``url``."""
+
+    resets: list[dict[str, Any]] = Field(default_factory=_one_plain_reset, min_length=1)
+    """One task per entry: the keyword arguments of its ``reset`` (e.g. ``{seed = 3}``)."""
+
+    system_prompt: str | None = None
+    """The episode's system prompt; ``None`` sends none."""
+
+    describe_action: bool = True
+    """Append to the first observation how to write an action (the action's JSON schema); an
+    environment whose actions are tool calls describes them as tools instead."""
+
+    connect_timeout_s: float = Field(default=30.0, gt=0)
+    """Limit of opening an episode's session (WebSocket) with the server."""
+
+    step_timeout_s: float = Field(default=60.0, gt=0)
+    """Limit of one ``reset`` or ``step`` answer; a server that misses it fails the episode."""
+
+    startup_timeout_s: float = Field(default=120.0, gt=0)
+    """Limit of the served ``app``'s start (until its ``/health`` answers)."""
+
+    @model_validator(mode="after")
+    def _check_source(self) -> OpenEnvConfig:
+        sources = [k for k in ("url", "app", "image", "space") if getattr(self, k) is not None]
+        if len(sources) != 1:
+            raise ValueError(
+                "openenv: set exactly one of url (a running OpenEnv server), app (module:attribute "
+                "of a server app for the orchestrator to serve), image (a container image for it to "
+                "run) or space (a Hugging Face Space, owner/name)"
+                + (f"; got {', '.join(sources)}" if sources else "")
+            )
+        if self.space is not None and not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", self.space):
+            raise ValueError(
+                f"openenv.space must be 'owner/name' (e.g. 'openenv/echo_env'), got {self.space!r}"
+            )
+        if self.image is not None and (not self.image.strip() or self.image.startswith("-")):
+            raise ValueError(
+                f"openenv.image must be an image reference (e.g. 'ghcr.io/me/env:1'), got {self.image!r}"
+            )
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"openenv.url must start with http:// or https://, got {self.url!r}")
+        if self.app is not None and (self.app.count(":") != 1 or not all(self.app.split(":"))):
+            raise ValueError(
+                f"openenv.app must be 'module:attribute' (e.g. 'my_env.server:app'), got {self.app!r}"
+            )
+        return self
+
+    @property
+    def space_url(self) -> str | None:
+        """The https URL of ``space`` (``None`` without one)."""
+        if self.space is None:
+            return None
+        owner, name = self.space.split("/")
+        return "https://" + re.sub(r"[_.]", "-", f"{owner}-{name}".lower()) + ".hf.space"
+
+    @property
+    def source(self) -> str:
+        """What the entry names as its environment (in task ids and messages)."""
+        return next(v for v in (self.url, self.app, self.image, self.space) if v is not None)
+
+
+def _source_key(source: OpenEnvConfig) -> str:
+    return next(k for k in ("url", "app", "image", "space") if getattr(source, k) is not None)
+
+
+def _requirement_name(package: str) -> str:
+    """The distribution name of a requirement string; ``ValueError`` naming the fix when it is none."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        return Requirement(package).name
+    except InvalidRequirement as e:
+        raise ValueError(
+            f"package = {package!r} is not a requirement ({e}); write a distribution name, optionally with a "
+            "version, e.g. 'wordle-env' or 'wordle-env==0.2.1'"
+        ) from e
+
+
+OPENENV_ID = "openenv"
+"""The ``id`` of an ``[[orchestrator.env]]`` entry with an ``openenv`` table that gives none."""
+
+
 class EnvConfig(BaseConfig):
     """One ``[[orchestrator.env]]`` entry: a verifiers v1 environment and how much of each batch it gets."""
 
     id: str
     """Environment id: a folder under ``environments/`` (e.g. ``arith``) or an installed
-    verifiers v1 taskset package (``my-env`` imports ``my_env``)."""
+    verifiers v1 taskset package (``my-env`` imports ``my_env``). With ``openenv`` it only names
+    the entry (default ``openenv``)."""
+
+    package: str | None = None
+    """A distribution holding the environment, installed before it loads when it is not installed:
+    a requirement such as ``wordle-env`` or ``wordle-env==0.2.1``. ``uv pip install`` puts it in the
+    orchestrator's own Python environment (``orchestrator/env_install.py``), holding every installed
+    distribution at its version (it may add packages, never change one; an installed version the
+    requirement refuses is an error). ``id`` defaults to its name. With ``openenv.app`` it is an
+    OpenEnv environment package, installed so that the orchestrator can serve that app."""
+
+    package_find_links: list[str] = Field(default_factory=list)
+    """Folders or URLs of wheels the install may use (``uv pip install --find-links``)."""
+
+    package_no_index: bool = False
+    """Install only from ``package_find_links`` (``--no-index``): no package index is asked."""
+
+    openenv: OpenEnvConfig | None = None
+    """Train on an OpenEnv environment instead of a verifiers taskset (``id`` is then a label and
+    ``args`` must stay empty; ``eval_args`` apply over this table, e.g. ``{resets = [{seed = 100}]}``).
+    Its episodes run in the agent loop (``agent``)."""
 
     args: dict[str, Any] = Field(default_factory=dict)
     """Fields of the environment's taskset config (e.g. ``{max_operand = 9}``); unknown keys are
@@ -156,6 +339,38 @@ class EnvConfig(BaseConfig):
     def label(self) -> str:
         """The name metrics use for this environment."""
         return self.name or self.id
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_id(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "id" not in data:
+            if data.get("openenv") is not None:
+                return {**data, "id": OPENENV_ID}
+            if isinstance(data.get("package"), str):
+                return {**data, "id": _requirement_name(data["package"])}
+        return data
+
+    @field_validator("package")
+    @classmethod
+    def _check_package(cls, package: str | None) -> str | None:
+        if package is not None:
+            _requirement_name(package)
+        return package
+
+    @model_validator(mode="after")
+    def _check_openenv(self) -> EnvConfig:
+        if self.openenv is not None and self.package is not None and self.openenv.app is None:
+            raise ValueError(
+                f"orchestrator.env (id={self.id!r}): package with openenv.{_source_key(self.openenv)} installs "
+                "a package for a server this process does not run; drop package, or serve the package's "
+                "app with openenv.app"
+            )
+        if self.openenv is not None and self.args:
+            raise ValueError(
+                f"orchestrator.env (id={self.id!r}): args are verifiers taskset fields, and an openenv entry "
+                "has none; put its settings in the openenv table (e.g. openenv.resets)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_eval(self) -> EnvConfig:

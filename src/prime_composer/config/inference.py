@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal, Self
-from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
 from prime_composer.config.base import DEFAULT_OUTPUT_DIR, BaseConfig, ModelConfig
-from prime_composer.netaddr import is_loopback
+from prime_composer.netaddr import is_loopback, peer_url_problem
 from prime_composer.tool_calls import DEFAULT_PARSER, PARSERS
 
 InferenceBackendName = Literal["hf", "vllm"]
@@ -30,6 +29,17 @@ class VLLMConfig(BaseConfig):
 
     tensor_parallel_size: int = Field(default=1, ge=1)
     """GPUs one model replica is split across (vLLM's ``--tensor-parallel-size``)."""
+
+    data_parallel_size: int = Field(default=1, ge=1, le=64)
+    """Engines of vLLM's own data parallelism in this one server (vLLM's ``--data-parallel-size``),
+    each a whole model on its own ``tensor_parallel_size`` GPUs: the server takes
+    ``tensor_parallel_size x data_parallel_size`` GPUs (``launch.gpus.inference`` lists exactly
+    that many; engine ``i`` gets the ``i``-th group of ``tensor_parallel_size``), spreads requests
+    over its engines itself (fewest waiting and running) and applies every weight update to all of
+    them before answering. The alternative to ``inference.num_replicas`` (one server per copy,
+    spread by the orchestrator): one URL and one update call per step, but a failed engine stops
+    the whole server (vLLM stops), where a failed replica is only taken out. ``rl`` refuses it together with
+    ``num_replicas > 1`` (one kind of copies at a time) and with ``backend = "hf"``."""
 
     gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
     """Fraction of each GPU's memory vLLM may use (weights, activations, KV cache); ``None`` keeps
@@ -54,6 +64,11 @@ class VLLMConfig(BaseConfig):
     startup_timeout_s: float = Field(default=600.0, gt=0)
     """How long the launcher waits for vLLM's ``/health`` before giving up and stopping it."""
 
+    @property
+    def num_gpus(self) -> int:
+        """GPUs the server takes: ``tensor_parallel_size`` for each of its data-parallel engines."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
 
 class InferenceConfig(BaseConfig):
     """The inference server: ``hf`` (embedded, CPU or GPU) or ``vllm``."""
@@ -75,15 +90,28 @@ class InferenceConfig(BaseConfig):
     or ``Authorization: Bearer <secret>`` from this machine (OpenAI clients on loopback)."""
 
     private_network: bool = False
-    """Accept ``Authorization: Bearer <secret>`` from other machines too (OpenAI clients that
-    cannot sign requests). Only where every link to the server is private: a bearer token seen on
-    the wire lets anyone call the server. Off, a bearer token from another machine is a 401."""
+    """Every link to the server is already private (a VPN, a cluster fabric): a non-loopback
+    ``host`` may serve plain HTTP (without it, off loopback needs ``tls_cert``), ``weights_origin``
+    and ``weights_relays`` may be ``http://`` off loopback, and ``Authorization: Bearer <secret>``
+    is accepted from other machines too (OpenAI clients that cannot sign requests; a bearer token
+    seen on the wire lets anyone call the server). Off, a bearer token from another machine is a 401."""
 
     audience: str | None = None
     """The ``host:port`` clients address this server by (e.g. ``10.0.0.2:8000``). Set, a signed
     request addressed to another server is refused, so one captured on the way to another replica
     cannot be replayed here; ``None`` accepts any address (replays to this server are refused
     either way)."""
+
+    tls_cert: Path | None = None
+    """Both backends: serve HTTPS with this certificate (PEM; with ``tls_key``; vLLM's
+    ``--ssl-certfile`` / ``--ssl-keyfile``), so prompts,
+    completions and weight-update calls are encrypted on the way. ``python -m
+    prime_composer.wire.tls --out DIR`` makes a self-signed one and prints the fingerprint the
+    clients pin (``orchestrator.inference_tls_fingerprint``); a certificate from a CA works too
+    (``orchestrator.inference_tls_ca``). List the server as ``https://`` in ``orchestrator.base_url``."""
+
+    tls_key: Path | None = None
+    """The private key of ``tls_cert`` (PEM). Its path only ever appears in configs, never its contents."""
 
     max_request_bytes: int = Field(default=8 * 2**20, ge=1024)
     """Largest request body accepted, in bytes (default 8 MiB); a larger one is answered 413
@@ -166,33 +194,56 @@ class InferenceConfig(BaseConfig):
     weights_secret_env: str | None = None
     """Name of the environment variable holding the secret the weights origin signs with."""
 
+    weights_relays: list[str] = Field(default_factory=list)
+    """Both backends: weights relays near this worker (``https://host:port@sha256:<fingerprint>``,
+    each started with ``python -m prime_composer.transport.remote relay``), tried in order before
+    ``weights_origin``: a relay fetches each step once from the origin for all the workers near it.
+    What a relay serves is checked as the origin's (the manifest's end-to-end tag, which a relay
+    cannot make, and every digest); a relay that is down or serves anything that does not verify
+    is logged and the next source is tried, the origin last. Needs ``weights_origin``."""
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> Self:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("inference.tls_cert and inference.tls_key go together: set both or neither")
+        # Without a secret such a bind is refused anyway (inference/auth.py), with its own message.
+        plain = self.tls_cert is None and not self.private_network
+        if plain and not is_loopback(self.host) and self.secret_env is not None:
+            raise ValueError(
+                f"inference.host = {self.host!r} is reachable from other machines over plain HTTP "
+                "(prompts, completions and weight updates readable on the way): set inference.tls_cert "
+                "and inference.tls_key (`rl certs --out DIR --host <address>` makes them and prints the "
+                "fingerprint for orchestrator.inference_tls_fingerprint), or inference.private_network = "
+                "true if every link to the server is already private (VPN, cluster fabric)"
+            )
+        return self
+
     @model_validator(mode="after")
     def _check_weights_origin(self) -> Self:
         if self.weights_origin is None:
+            if self.weights_relays:
+                raise ValueError(
+                    "inference.weights_relays is set but inference.weights_origin is not (the relays "
+                    "relay the origin's steps, and the origin is the last source tried)"
+                )
             return self
         if self.weights_secret_env is None:
             raise ValueError("inference.weights_origin is set but inference.weights_secret_env is not")
-        url, _, pin = self.weights_origin.partition("@")
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(
-                f"inference.weights_origin = {self.weights_origin!r}: expected https://host:port@sha256:<fp>"
+        for key, value in [("weights_origin", self.weights_origin)] + [
+            (f"weights_relays[{i}]", r) for i, r in enumerate(self.weights_relays)
+        ]:
+            problem = peer_url_problem(
+                value, private_network=self.private_network, flag="inference.private_network"
             )
-        if parts.scheme == "https" and not pin:
-            raise ValueError(
-                f"inference.weights_origin = {self.weights_origin!r}: pin the certificate (@sha256:<fp>)"
-            )
-        if parts.scheme == "http" and not is_loopback(parts.hostname):
-            raise ValueError(
-                f"inference.weights_origin = {self.weights_origin!r}: plain HTTP off loopback; use https://"
-            )
+            if problem:
+                raise ValueError(f"inference.{key} = {value!r}: {problem}")
         return self
 
     @property
     def num_gpus(self) -> int:
-        """GPUs one replica of the server takes: vLLM's tensor-parallel shards; 0 for ``hf``, which
-        runs on the CPU or on the one device of ``device``."""
-        return self.vllm.tensor_parallel_size if self.backend == "vllm" else 0
+        """GPUs one replica of the server takes: vLLM's tensor-parallel shards of each of its
+        data-parallel engines; 0 for ``hf``, which runs on the CPU or on the one device of ``device``."""
+        return self.vllm.num_gpus if self.backend == "vllm" else 0
 
     @field_validator("tool_call_parser", mode="before")
     @classmethod

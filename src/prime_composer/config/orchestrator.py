@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_composer.config.advantage import AdvantageConfig
 from prime_composer.config.base import BaseConfig
@@ -128,6 +128,69 @@ class OrchestratorConfig(CommonConfig, ChannelSections):
     inference_secret_env: str | None = None
     """Name of the environment variable with the inference server's admin secret, sent with
     weight updates (the ``rl`` launcher copies ``inference.secret_env``)."""
+
+    # --- TLS to the inference servers (client/tls.py; the servers' inference.tls_cert) ---
+    inference_tls_fingerprint: str | None = None
+    """For ``https://`` servers of ``base_url``: the SHA-256 fingerprint of their certificate
+    (``sha256:<64 hex>``, printed by ``python -m prime_composer.wire.tls``), checked after the
+    handshake and before anything is sent; another certificate is refused. Rollouts then go through
+    the replica relay on loopback, which checks it too."""
+
+    inference_tls_ca: Path | None = None
+    """For ``https://`` servers of ``base_url``: a PEM file of the CA certificates their
+    certificates must chain to (hostnames checked). Neither this nor the fingerprint: the system's
+    CAs. Not both."""
+
+    inference_private_network: bool = False
+    """The links to the inference servers are already private (a VPN, a cluster fabric): an
+    ``http://`` server of ``base_url`` off loopback is allowed. Without it such a server is refused
+    (prompts, completions and weight-update calls would cross the network in the clear): serve it
+    with ``inference.tls_cert`` and list it as ``https://``."""
+
+    @field_validator("inference_tls_fingerprint")
+    @classmethod
+    def _normalized_pin(cls, value: str | None) -> str | None:
+        from prime_composer.config.diloco import normalize_fingerprint
+
+        if value is None:
+            return None
+        try:
+            return normalize_fingerprint(value)
+        except ValueError as e:
+            raise ValueError(f"orchestrator.inference_tls_fingerprint: {e}") from None
+
+    @model_validator(mode="after")
+    def _check_inference_tls(self) -> Self:
+        if self.inference_tls_fingerprint is not None and self.inference_tls_ca is not None:
+            raise ValueError(
+                "orchestrator.inference_tls_fingerprint and orchestrator.inference_tls_ca are both set: "
+                "pin the servers' certificate or name a CA, not both"
+            )
+        pinned = self.inference_tls_fingerprint is not None or self.inference_tls_ca is not None
+        if pinned and not any(url.startswith("https://") for url in self.server_urls):
+            raise ValueError(
+                "orchestrator.inference_tls_fingerprint / inference_tls_ca are set but no "
+                f"orchestrator.base_url is https:// ({self.server_urls}); serve the inference servers "
+                "with inference.tls_cert / tls_key and list them as https://"
+            )
+        from urllib.parse import urlsplit
+
+        from prime_composer.netaddr import is_loopback
+
+        for url in self.server_urls:
+            parts = urlsplit(url)
+            if (
+                parts.scheme == "http"
+                and not is_loopback(parts.hostname or "")
+                and not self.inference_private_network
+            ):
+                raise ValueError(
+                    f"orchestrator.base_url: {url} is plain HTTP to another machine: serve it with "
+                    "inference.tls_cert / tls_key (`rl certs --out DIR --host <address>`), list it as https:// "
+                    "and pin it (orchestrator.inference_tls_fingerprint), or set "
+                    "orchestrator.inference_private_network = true if the link is already private"
+                )
+        return self
 
     env: list[EnvConfig] = Field(default_factory=list)
     """The environments to train on: one ``[[orchestrator.env]]`` table each."""

@@ -38,6 +38,13 @@ class Process:
     """Whether the run has this process, given the root ``RLConfig``."""
     num_ranks: Callable[[Any], int] | None = None
     """Ranks to start under torchrun (more than 1), given the root ``RLConfig``."""
+    waits_for: tuple[str, ...] | None = None
+    """The services that must be healthy before it starts (``ProcessSpec.waits_for``): ``None``
+    every earlier one, ``()`` none (the trainer calls no server: it starts with the first)."""
+    starts_early: bool = False
+    """Started with the first process and held at its start gate until the services are healthy
+    (``ProcessSpec.starts_early``): the orchestrator loads its environments and tokenizer while
+    the inference server loads the model."""
 
 
 PROCESSES: tuple[Process, ...] = (
@@ -49,15 +56,17 @@ PROCESSES: tuple[Process, ...] = (
         health_path="/health",
         enabled=lambda rl: rl.teacher is not None,
     ),
-    Process(name="orchestrator", module="prime_composer.orchestrator.main", kind="job"),
+    Process(name="orchestrator", module="prime_composer.orchestrator.main", kind="job", starts_early=True),
     Process(
         name="trainer",
         module="prime_composer.trainer.main",
         kind="job",
         num_ranks=lambda rl: rl.trainer.num_ranks,
+        waits_for=(),
     ),
 )
-"""Every process a run can have, in start order (consumers after the services they call)."""
+"""Every process a run can have, in start order (consumers after the services they call; the
+consumers' setup overlaps the services' start: ``waits_for``, ``starts_early``)."""
 
 SECTION_NAMES: tuple[str, ...] = tuple(p.name for p in PROCESSES)
 """The ``RLConfig`` sections that belong to a process (and receive the shared keys)."""

@@ -101,7 +101,7 @@ def _check_remote_inference(config: RLConfig, origins: dict[str, str]) -> None:
         raise ConfigError(
             f"{origin_of(key, origins)}: {why} starts "
             "the orchestrator without the inference server: set orchestrator.base_url to the servers' "
-            "URLs (a list for several, e.g. ['http://infer-0:8000/v1', 'http://infer-1:8000/v1'])"
+            "URLs (a list for several, e.g. ['https://infer-0:8000/v1', 'https://infer-1:8000/v1'])"
         )
 
 
@@ -130,6 +130,7 @@ def _check_gpus(config: RLConfig, origins: dict[str, str]) -> None:
             f"{config.trainer.num_ranks}{of_nodes} ranks run on this node; the trainer runs one rank per "
             "GPU, so make them equal"
         )
+    _check_data_parallel(config, origins)
     tensor_parallel = config.inference.vllm.tensor_parallel_size
     if "inference" in gpus and len(gpus["inference"]) < config.inference.num_gpus:
         raise ConfigError(
@@ -147,6 +148,39 @@ def _check_gpus(config: RLConfig, origins: dict[str, str]) -> None:
             f"{where}: launch.gpus.inference gives each of the {replicas} replicas "
             f"{len(gpus['inference']) // replicas} GPUs but inference.vllm.tensor_parallel_size = "
             f"{tensor_parallel}; give every replica at least that many"
+        )
+
+
+def _check_data_parallel(config: RLConfig, origins: dict[str, str]) -> None:
+    """``inference.vllm.data_parallel_size``: vLLM's engines in one server, on exactly
+    ``tensor_parallel_size x data_parallel_size`` GPUs, and not together with replicas."""
+    inference = config.inference
+    vllm = inference.vllm
+    if vllm.data_parallel_size == 1:
+        return
+    where = origin_of("inference.vllm.data_parallel_size", origins)
+    dp = f"inference.vllm.data_parallel_size = {vllm.data_parallel_size}"
+    if inference.backend != "vllm":
+        raise ConfigError(
+            f"{where}: {dp} is vLLM's data parallelism but inference.backend = {inference.backend!r}; set "
+            f"inference.backend = 'vllm', or start copies of the {inference.backend} server with "
+            f"inference.num_replicas = {vllm.data_parallel_size} instead"
+        )
+    if inference.num_replicas > 1:
+        total = inference.num_replicas * vllm.data_parallel_size
+        raise ConfigError(
+            f"{where}: {dp} and inference.num_replicas = {inference.num_replicas} both make copies of the "
+            f"model; choose one: inference.num_replicas = {total} servers (the orchestrator spreads "
+            f"rollouts and a failed one is taken out), or one server with inference.vllm.data_parallel_size "
+            f"= {total} (vLLM spreads them)"
+        )
+    gpus = config.launch.gpus.get("inference")
+    if gpus is not None and len(gpus) != vllm.num_gpus:
+        raise ConfigError(
+            f"{origin_of('launch.gpus', origins)}: launch.gpus.inference has {len(gpus)} GPUs but vLLM's "
+            f"{vllm.data_parallel_size} data-parallel engines of inference.vllm.tensor_parallel_size = "
+            f"{vllm.tensor_parallel_size} take {vllm.num_gpus}: list exactly that many (engine i runs on "
+            f"the i-th {vllm.tensor_parallel_size} of them)"
         )
 
 

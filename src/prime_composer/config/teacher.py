@@ -498,6 +498,13 @@ class TeacherServiceConfig(BaseConfig):
     poll_s: float = Field(default=2.0, gt=0.0)
     """How often a serving process looks for new work when idle."""
 
+    nice: int = Field(default=0, ge=0, le=19)
+    """CPU niceness the service adds to itself at start, and that ``rl`` adds to the servers of its
+    local teachers (``pool[].local``). On a machine whose cores the run's own processes share (the
+    CPU quickstart), a positive value lets the RL step's inference server and trainer run first:
+    the teachers, the reference forward and the pair building fill the time those leave idle
+    instead of slowing the step. 0 (the default) leaves the priority as it is."""
+
     max_concurrent_steps: int = Field(default=16, ge=1)
     """Steps being labeled at once (each may have several teacher calls in flight). A step the
     budget cannot pay for now waits for calls in flight to settle and tries again; it is refused

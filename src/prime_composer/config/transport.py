@@ -50,6 +50,12 @@ class WeightsOriginConfig(BaseConfig):
     tls_key: Path | None = None
     """PEM private key of ``tls_cert``."""
 
+    relays: list[str] = Field(default_factory=list)
+    """Weights relays near the workers (``https://host:port@sha256:<fingerprint>``, each started
+    with ``python -m prime_composer.transport.remote relay``, upstream this origin), written into
+    the worker config as ``inference.weights_relays``: the workers try them in order, then this
+    origin. ``hf`` workers only."""
+
     @model_validator(mode="after")
     def _check(self) -> WeightsOriginConfig:
         if (self.tls_cert is None) != (self.tls_key is None):

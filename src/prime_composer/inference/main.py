@@ -10,9 +10,7 @@ extension (``vllm/``).
 
 from __future__ import annotations
 
-import sys
-
-from prime_composer.config.cli import run_entry_point
+from prime_composer.config.cli import exit_process, run_entry_point
 from prime_composer.config.errors import ConfigError
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.inference.auth import resolve_admin_secret
@@ -37,7 +35,7 @@ def run(config: InferenceConfig) -> int:
 
 
 def main() -> None:
-    sys.exit(
+    exit_process(
         run_entry_point(
             InferenceConfig,
             run,

@@ -21,6 +21,7 @@ from prime_composer.config.rl import RLConfig
 from prime_composer.model.resolve import tiny_spec_overrides
 from prime_composer.netaddr import is_loopback
 from prime_composer.orchestrator.env_ids import DEFAULT_ENV_DIRS, environment_exists
+from prime_composer.orchestrator.openenv_container import runtime_problems
 from prime_composer.tracking.wandb_run import online_problem
 
 MIN_PROMPT_TOKENS = 16
@@ -117,11 +118,13 @@ def _environment_problems(config: RLConfig) -> list[str]:
     if not config.orchestrator.env:
         return ["orchestrator.env is empty: add at least one [[orchestrator.env]] with an id"]
     where = ", ".join(str(Path(d).resolve()) for d in DEFAULT_ENV_DIRS)
-    return [
+    return runtime_problems(config.orchestrator.env) + [
         f"orchestrator.env[{i}].id = {entry.id!r}: no such environment (looked for a folder in {where}, "
         "then an installed package; local folders are found relative to the working directory)"
         for i, entry in enumerate(config.orchestrator.env)
-        if not environment_exists(entry.id)
+        # An openenv entry names a server, not a taskset (its source is checked when it loads); a
+        # package entry is installed when the orchestrator loads it.
+        if entry.openenv is None and entry.package is None and not environment_exists(entry.id)
     ]
 
 

@@ -90,6 +90,7 @@ def worker_config(config: RLConfig, weights_origin: str) -> InferenceConfig:
         "output_dir": WORKER_OUTPUT_DIR,
         "weights_origin": weights_origin,
         "weights_secret_env": section.secret_env,
+        "weights_relays": section.relays,
         "num_replicas": 1,
     }
     try:

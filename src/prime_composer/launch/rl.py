@@ -21,6 +21,7 @@ import json
 import shlex
 import socket
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,8 @@ def build_specs(config: RLConfig, config_paths: dict[str, Path]) -> list[Process
                 kind=process.kind,
                 health_url=health_url,
                 env=env,
+                waits_for=process.waits_for,
+                starts_early=process.starts_early,
             )
         )
     return specs
@@ -426,7 +429,12 @@ def _run_stages(
     origin = remote.start_weights_origin(config)  # remote inference workers' weights (launch/remote.py)
     progress = Progress(output_dir / "metrics", config.max_steps, live=config.launch.progress)
 
+    preload: list[threading.Thread] = []
+
     def tick(statuses: dict[str, str]) -> None:
+        if not preload:  # every process is up: the report's plotting library loads while they run
+            preload.append(threading.Thread(target=_import_pyplot, name="report-preload", daemon=True))
+            preload[0].start()
         progress.tick(statuses)
         if track is not None:
             track(statuses)
@@ -453,10 +461,21 @@ def _run_stages(
     return 0
 
 
+def _import_pyplot() -> None:
+    """Import what ``write_report_png`` draws with (~4 s on 2 busy cores, paid at the run's end
+    otherwise): ``tick`` runs it in a thread once the run's processes are up."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot
+
+
 SUBCOMMANDS = {
     "migrate": "prime_composer.prime_rl.migrate",  # rl migrate prime-rl.toml: print it in our names
     "export": "prime_composer.trainer.export",  # rl export @ config.toml --checkpoint <dir>
     "envs": "prime_composer.orchestrator.env_ids",  # rl envs: the environments that can be loaded
+    "certs": "prime_composer.launch.certs",  # rl certs --out DIR --host ADDR: a key, a cert, its pin
+    "relay": "prime_composer.launch.relay",  # rl relay @ relay.toml: a weights or DiLoCo relay
 }
 """``rl <name> ...``: the module whose ``main(argv)`` runs it."""
 
@@ -464,25 +483,27 @@ SUBCOMMANDS = {
 def main(argv: Sequence[str] | None = None) -> None:
     import importlib
 
-    from prime_composer.config.cli import run_entry_point
+    from prime_composer.config.cli import exit_process, run_entry_point
 
+    argv_given = argv is not None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
         sys.exit(importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:]))
-    sys.exit(
-        run_entry_point(
-            RLConfig,
-            lambda config: launch(config, argv),
-            prog="rl",
-            env_prefix=ENV_PREFIX,
-            argv=argv,
-            aliases=RL_ALIASES,
-            finalize=finalize_rl_config,
-            describe="Run inference, orchestrator and trainer together (see docs/architecture.md).",
-            translate=PRIME_RL_NAMES,
-            check=preflight,  # --dry-run runs every check that needs no process
-        )
+    code = run_entry_point(
+        RLConfig,
+        lambda config: launch(config, argv),
+        prog="rl",
+        env_prefix=ENV_PREFIX,
+        argv=argv,
+        aliases=RL_ALIASES,
+        finalize=finalize_rl_config,
+        describe="Run inference, orchestrator and trainer together (see docs/architecture.md).",
+        translate=PRIME_RL_NAMES,
+        check=preflight,  # --dry-run runs every check that needs no process
     )
+    if argv_given:  # called in-process (tests): the interpreter stays
+        sys.exit(code)
+    exit_process(code)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ A pool entry with ``local`` set is a model this machine serves, the way a PRIME-
    (``<output_dir>/teachers/<name>/``, log ``logs/teacher-<name>-sft.log``). A resumed run keeps
    the teachers that finished;
 2. **servers** (services, started before the teacher service): ``prime_composer.inference.main``
-   on a free loopback port with ``configs/teacher-<name>-inference.json``; the launcher waits for
+   on a free loopback port with ``configs/teacher-<name>-inference.json``, under ``nice -n
+   <teacher.nice>`` when that is set (the service lowers its own priority the same way); the
+   launcher waits for
    each ``/health``, and the endpoint's ``base_url`` is filled in before ``configs/teacher.json`` is
    written, so the service calls it like any other teacher.
 
@@ -164,9 +166,16 @@ def server_specs(config: RLConfig) -> list[ProcessSpec]:
         specs.append(
             ProcessSpec(
                 name=f"teacher-{slug(endpoint)}",
-                argv=[sys.executable, "-m", "prime_composer.inference.main", "@", str(path)],
+                argv=[*_niced(config), sys.executable, "-m", "prime_composer.inference.main", "@", str(path)],
                 kind="service",
                 health_url=f"http://127.0.0.1:{port}/health",
             )
         )
     return specs
+
+
+def _niced(config: RLConfig) -> list[str]:
+    """The prefix that starts a local teacher's server at ``teacher.nice`` (``nice`` execs the
+    server, so the launcher's process is the server itself)."""
+    nice = config.teacher.nice if config.teacher is not None else 0
+    return ["nice", "-n", str(nice)] if nice else []

@@ -19,7 +19,7 @@ The unit is the episode: the Samples of one episode split at a history-rewriting
 (same ``episode.trace_id``) count once in the mean and std, with their first Sample's shaped
 reward, and all get that episode's advantage.
 
-**Per-step credit** (``process_reward_credit = "step"`` or ``"return"``). The process rewards judge
+**Per-step credit** (``process_reward_credit = "step"`` or ``"return"``; ``"potential"`` below). The process rewards judge
 single steps (assistant turns), so they can credit the step they judge instead of the whole
 rollout. The group advantage ``A_i`` is then computed from the outcome alone (reward + overlong
 penalty), and each labeled turn k of rollout i gets its own advantage, carried token-exact to the
@@ -36,8 +36,26 @@ computed separately, each against a leave-one-out baseline, then summed), with t
 margin as the process reward instead of an implicit PRM's log-ratio, and undiscounted. Neither rule
 is potential-based shaping: ``p`` scores an action at a state, not a state, so a large ``w`` can
 move the optimum toward what the teachers would do; ``w`` should stay small next to the outcome's
-spread. With ``w = 0`` nothing is looked up and every Sample keeps ``turn_advantages = None``:
-the numerics are exactly those without process rewards.
+spread.
+
+**Potential-based credit** (``process_reward_credit = "potential"``, Ng et al. 1999). The state
+``s_k`` before turn k is the whole history (task, tools, earlier turns: what ``Trace.state_hash``
+hashes), so the teachers' judgment of any earlier step is a function of the state. The potential is
+
+    Phi(s_k) = p_j of the latest labeled turn j < k of the episode (0 when there is none)
+    Phi(s_T) = 0  once the episode has ended (after its last turn)
+    F_k      = gamma * Phi(s_{k+1}) - Phi(s_k)          A_ik = A_i + w * F_k
+
+so turn k is credited ``gamma * p_k`` for its own labeled action and pays back the credit of the
+step before it. The shaping telescopes: ``sum_k gamma^k F_k = gamma^T Phi(s_T) - Phi(s_0) =
+-Phi(s_0)``, a constant per prompt (here 0), so the shaped return of every episode equals the
+unshaped one up to that constant and the optimal policy is unchanged, whatever ``w`` (the
+``step``/``return`` rules give no such guarantee). No leave-one-out baseline is needed. Every turn
+of a labeled episode gets a credit (an unlabeled one ``(gamma - 1) * Phi(s_k)``, 0 undiscounted);
+the last turn's own judgment never counts, because the terminal potential must be 0.
+
+With ``w = 0`` nothing is looked up and every Sample keeps ``turn_advantages = None``: the numerics
+are exactly those without process rewards.
 
 Usage::
 
@@ -47,12 +65,13 @@ Usage::
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import replace
 
 from prime_composer.config.advantage import AdvantageConfig
-from prime_composer.orchestrator.sample import ProcessReward, Sample, TurnAdvantage
+from prime_composer.orchestrator.sample import ProcessReward, Sample, StepReward, TurnAdvantage
 
 STD_EPS = 1e-4
 """Added to the group std before dividing, so a near-constant group does not explode."""
@@ -141,9 +160,11 @@ def compute_advantages(
             for e, (indices, adv) in enumerate(zip(members, group_adv, strict=True)):
                 others = [m for f, m in enumerate(episode_means) if f != e and m is not None]
                 baseline = math.fsum(others) / len(others) if others else 0.0
-                credits = _step_credits(
-                    [process_rewards[i] for i in indices], baseline, cfg.process_reward_credit == "return"
-                )
+                episode_rewards = [process_rewards[i] for i in indices]
+                if cfg.process_reward_credit == "potential":
+                    credits = _potential_credits(episode_rewards, cfg.process_reward_gamma)
+                else:
+                    credits = _step_credits(episode_rewards, baseline, cfg.process_reward_credit == "return")
                 for i, credit in zip(indices, credits, strict=True):
                     if credit is not None:
                         turn_advantages[i] = [TurnAdvantage(span, adv + weight * c) for span, c in credit]
@@ -157,13 +178,14 @@ def compute_advantages(
     return out
 
 
-def _step_credits(
-    rewards: list[float | ProcessReward | None], baseline: float, to_go: bool
-) -> list[list[tuple[tuple[int, int], float]] | None]:
-    """Per Sample of one episode: ``(span, credit)`` of each of its turns that gets a credit, where
-    the credit is ``p_k - baseline`` (``to_go``: summed over the episode's turns from k on, labeled
-    ones only); None for a Sample without process rewards."""
-    steps = sorted(
+def potential_shaping(potentials: Sequence[float], gamma: float) -> list[float]:
+    """``F_k = gamma * Phi(s_{k+1}) - Phi(s_k)`` for k = 0..T-1, from ``potentials`` = Phi(s_0..s_T)."""
+    return [gamma * after - before for before, after in itertools.pairwise(potentials)]
+
+
+def _episode_steps(rewards: list[float | ProcessReward | None]) -> list[tuple[int, int, StepReward]]:
+    """The episode's turns over its Samples as ``(turn index, Sample, step)``, in turn order."""
+    return sorted(
         (
             (step.index, n, step)
             for n, pr in enumerate(rewards)
@@ -172,6 +194,33 @@ def _step_credits(
         ),
         key=lambda item: (item[0], item[1]),  # episode turn order; the Sample breaks a (malformed) tie
     )
+
+
+def _potential_credits(
+    rewards: list[float | ProcessReward | None], gamma: float
+) -> list[list[tuple[tuple[int, int], float]] | None]:
+    """As ``_step_credits``, with the potential-based rule (module docstring): every turn's
+    ``(span, F_k)``."""
+    steps = _episode_steps(rewards)
+    potentials = [0.0]  # Phi(s_0): no step judged yet
+    for _, _, step in steps[:-1]:
+        potentials.append(step.reward if step.reward is not None else potentials[-1])
+    potentials.append(0.0)  # Phi(s_T): the episode has ended
+    shaping = potential_shaping(potentials, gamma) if steps else []
+    credit = {(n, step.index): f for (_, n, step), f in zip(steps, shaping, strict=True)}
+    return [
+        [(step.span, credit[(n, step.index)]) for step in pr.steps] if isinstance(pr, ProcessReward) else None
+        for n, pr in enumerate(rewards)
+    ]
+
+
+def _step_credits(
+    rewards: list[float | ProcessReward | None], baseline: float, to_go: bool
+) -> list[list[tuple[tuple[int, int], float]] | None]:
+    """Per Sample of one episode: ``(span, credit)`` of each of its turns that gets a credit, where
+    the credit is ``p_k - baseline`` (``to_go``: summed over the episode's turns from k on, labeled
+    ones only); None for a Sample without process rewards."""
+    steps = _episode_steps(rewards)
     credit = {(n, step.index): step.reward - baseline for _, n, step in steps if step.reward is not None}
     if to_go:
         running, seen = 0.0, False

@@ -31,9 +31,21 @@ import verifiers.v1 as vf
 from verifiers.v1.dialects.chat import message_to_wire
 
 from prime_composer.config.env import AgentLoopConfig
-from prime_composer.orchestrator.agent_task import AgentState, AgentTaskData, shared_sandbox, source_dir
+from prime_composer.orchestrator.agent_task import (
+    AgentState,
+    AgentTaskData,
+    ExternalEnvironment,
+    shared_sandbox,
+    source_dir,
+)
 from prime_composer.orchestrator.chat_render import ChatRenderer
-from prime_composer.orchestrator.episode import ModelCallError, new_episode, run_episode
+from prime_composer.orchestrator.episode import (
+    EnvironmentFailure,
+    ModelCallError,
+    Tools,
+    new_episode,
+    run_episode,
+)
 from prime_composer.orchestrator.generate import TokenPolicy, client_for
 from prime_composer.orchestrator.mcp_tools import McpError, mcp_tools
 from prime_composer.sandbox import Toolset
@@ -84,10 +96,15 @@ class AgentHarness(vf.Harness[AgentHarnessConfig]):
         tokenizer = await shared_tokenizer(loop.tokenizer or ctx.model)
         renderer = ChatRenderer(tokenizer, sampling.get("chat_template_kwargs"))
         parser = get_parser(loop.tool_call_format)
-        tools = await self._open_tools(trace, trace.task.data)
+        environment: ExternalEnvironment | None = getattr(trace.state, "environment", None)
+        tools: Tools | None
+        if environment is not None:
+            tools, messages = environment.tools, self._messages(data, environment.opening)
+        else:
+            tools, messages = await self._open_tools(trace, trace.task.data), self._messages(data)
         client = client_for(ctx.client.base_url, ctx.client.api_key_var, loop.request)
         limits = [n for n in (loop.max_context_tokens, await client.max_model_len()) if n is not None]
-        episode = new_episode(self._messages(data), tools.definitions() if tools else [], loop)
+        episode = new_episode(messages, tools.definitions() if tools else [], loop)
         trace.info[AGENT_KEY] = episode  # visible to scoring even if the rollout timeout cancels us
         try:
             await run_episode(
@@ -100,9 +117,12 @@ class AgentHarness(vf.Harness[AgentHarnessConfig]):
                 max_reply_tokens=int(sampling.get("max_tokens") or DEFAULT_MAX_REPLY_TOKENS),
                 max_context_tokens=min(limits) if limits else None,
                 episode=episode,
+                environment=environment,
             )
         except ModelCallError as e:
             raise vf.HarnessError(f"model call failed: {e}") from e
+        except EnvironmentFailure as e:
+            raise vf.HarnessError(f"environment failed: {e}") from e
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")
 
     async def cleanup(self, trace: vf.Trace, runtime: vf.Runtime) -> None:
@@ -111,10 +131,16 @@ class AgentHarness(vf.Harness[AgentHarnessConfig]):
             workspace, state.workspace = state.workspace, None
             await asyncio.to_thread(workspace.close)
 
-    def _messages(self, data: vf.TaskData) -> list[dict[str, Any]]:
+    def _messages(
+        self, data: vf.TaskData, opening: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
+        """The system prompt, then ``opening`` (an external environment's first observation) or
+        else the task's prompt."""
         system, prompt = self.resolve_prompt(data)
         messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
-        if isinstance(prompt, str):
+        if opening is not None:
+            messages.extend(dict(m) for m in opening)
+        elif isinstance(prompt, str):
             messages.append({"role": "user", "content": prompt})
         else:
             messages.extend(message_to_wire(m) for m in prompt or [])

@@ -27,12 +27,14 @@ import json
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any, Protocol
 
 import verifiers.v1 as vf
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from prime_composer.config.env import McpServerConfig
 from prime_composer.config.sandbox import ALL_TOOLS, SandboxConfig, ToolName
+from prime_composer.orchestrator.episode import Environment, Tools
 from prime_composer.sandbox import Sandbox, Toolset, Workspace
 
 
@@ -46,7 +48,22 @@ class AgentTaskData(vf.TaskData):
     servers' tools)."""
     mcp_servers: list[McpServerConfig] = Field(default_factory=list)
     """MCP tool servers whose tools are offered after ``tools`` (``orchestrator/mcp_tools.py``);
-    a stdio server runs in the episode's sandbox, so its script can be one of ``files``."""
+    a stdio server runs in the episode's sandbox, so its script can be one of ``files``. Without
+    ``headers_env``: task data must not choose which of the orchestrator's environment variables
+    are sent to a URL it chooses (put such a server in ``orchestrator.env.agent.mcp_servers``)."""
+
+    @field_validator("mcp_servers")
+    @classmethod
+    def _no_headers_env(cls, servers: list[McpServerConfig]) -> list[McpServerConfig]:
+        for server in servers:
+            if server.headers_env:
+                raise ValueError(
+                    f"mcp server {server.name!r}: headers_env is refused in task data (it would send the "
+                    "orchestrator's environment variables where the task says); list the server in "
+                    "orchestrator.env.agent.mcp_servers instead"
+                )
+        return servers
+
     test_command: str | None = None
     """What ``run_tests`` runs (bash -c in the workspace); needed when ``run_tests`` is offered."""
     reference_replies: list[str] | None = None
@@ -66,6 +83,24 @@ class AgentState(vf.State):
     """Set by a task whose ``setup`` provisions its episode itself (its own sandbox, with more
     hidden than the harness's: feature-deletion); the harness then runs this toolset, on
     ``workspace``, instead of making both from ``files``."""
+    environment: Any = None
+    """An ``ExternalEnvironment`` set by a task whose ``setup`` connects to an environment that
+    plays the other side (OpenEnv, ``openenv_env.py``): the episode opens with its first
+    observation, offers its tools (no workspace is made) and ends when it is done."""
+
+
+class ExternalEnvironment(Environment, Protocol):
+    """What the agent harness needs of an external environment besides ``episode.Environment``."""
+
+    @property
+    def opening(self) -> list[dict[str, Any]]:
+        """The messages that open the episode (its first observation), after the system prompt."""
+        ...
+
+    @property
+    def tools(self) -> Tools | None:
+        """The tools it offers (actions as tool calls), or ``None``: replies are its actions."""
+        ...
 
 
 def is_agent_taskset(taskset_type: type[vf.Taskset]) -> bool:

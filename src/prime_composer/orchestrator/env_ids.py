@@ -3,7 +3,8 @@
 ``envs.py`` loads environments (and imports verifiers, ~3 s); the launcher's pre-launch checks
 only need to know whether an id resolves, which this module answers from the file system.
 ``rl envs`` (``main``) lists what resolves: local folders, installed verifiers environment
-packages and verifiers' built-in tasksets.
+packages, verifiers' built-in tasksets and installed OpenEnv environment packages (each with the
+``openenv.app`` that serves it).
 """
 
 from __future__ import annotations
@@ -61,8 +62,59 @@ class EnvironmentEntry:
     id: str
     kind: str
     """``local`` (a folder of ``environments/``), ``installed`` (a distribution that depends on
-    verifiers and ships the module) or ``builtin`` (a taskset of verifiers itself)."""
+    verifiers and ships the module), ``builtin`` (a taskset of verifiers itself) or ``openenv`` (an
+    installed OpenEnv environment package, loaded with an ``openenv`` table, not by ``id``)."""
     where: str
+
+
+_OPENENV_CORE = ("openenv", "openenv-core")
+_MANIFEST_APP = re.compile(r"^app:\s*['\"]?([\w.]+:[\w.]+)['\"]?\s*$", re.MULTILINE)
+
+
+def openenv_app(distribution: str) -> str | None:
+    """The ``openenv.app`` (``module:attribute``) that serves an installed OpenEnv environment
+    package, or ``None`` when ``distribution`` is not one. OpenEnv's layout (``openenv init``): a
+    distribution ``openenv-<name>`` (or one that depends on ``openenv``/``openenv-core``) ships
+    the package ``<name>`` (else another top-level package of its files) with ``server/app.py``;
+    its ``openenv.yaml`` may name another app (``app: server.app:app``, relative to the package).
+    Found on disk; nothing is imported."""
+    named = re.sub(r"^openenv[-_.]", "", distribution.lower()).replace("-", "_").replace(".", "_")
+    try:
+        files = metadata.distribution(distribution).files or []
+    except metadata.PackageNotFoundError:
+        files = []
+    shipped = sorted({f.parts[0] for f in files if len(f.parts) > 1 and f.parts[0].isidentifier()})
+    for module in [named, *(m for m in shipped if m != named)]:
+        if not module.isidentifier() or importlib.util.find_spec(module) is None:
+            continue
+        spec = importlib.util.find_spec(module)
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            manifest = Path(location) / "openenv.yaml"
+            found = _MANIFEST_APP.search(manifest.read_text()) if manifest.is_file() else None
+            relative = found.group(1) if found else "server.app:app"
+            if (Path(location) / (relative.split(":")[0].replace(".", "/") + ".py")).is_file():
+                return f"{module}.{relative}"
+    return None
+
+
+def _openenv_entries(seen: set[str]) -> list[EnvironmentEntry]:
+    entries = []
+    for dist in sorted(metadata.distributions(), key=lambda d: d.metadata["Name"] or ""):
+        name = dist.metadata["Name"] or ""
+        requires = [r.split(";")[0].strip().lower() for r in dist.requires or []]
+        normal = re.sub(r"[-_.]+", "-", name).lower()
+        uses_openenv = normal.startswith("openenv-") or any(
+            re.match(r"(openenv|openenv[-_]core)\b(?![-_])", r) for r in requires
+        )
+        if normal in _OPENENV_CORE or not uses_openenv:
+            continue
+        app = openenv_app(name)
+        module = app.split(".", 1)[0] if app is not None else ""
+        if app is None or module in seen:
+            continue
+        seen.add(module)
+        entries.append(EnvironmentEntry(module, "openenv", f"{name} {dist.version}: openenv.app = {app!r}"))
+    return entries
 
 
 def catalog(env_dirs: Sequence[Path] = DEFAULT_ENV_DIRS) -> list[EnvironmentEntry]:
@@ -97,7 +149,7 @@ def catalog(env_dirs: Sequence[Path] = DEFAULT_ENV_DIRS) -> list[EnvironmentEntr
                 continue
             seen.add(module)
             entries.append(EnvironmentEntry(module, "builtin", "verifiers.v1.tasksets"))
-    return entries
+    return entries + _openenv_entries(seen)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -118,7 +170,7 @@ def main(argv: Sequence[str]) -> int:
     for entry in entries:
         print(f"{entry.id:<{width}}  {entry.kind:<9}  {entry.where}")
     print(
-        "builtin tasksets mostly need containers or network; the openenv one needs the openenv "
-        "package, which cannot be installed beside vllm 0.33 (docs/architecture.md)"
+        "builtin tasksets mostly need containers or network; an openenv row is trained with "
+        "[[orchestrator.env]] openenv = {app = '...'} (the app shown), not by id"
     )
     return 0

@@ -143,8 +143,14 @@ def load_env(
 ) -> LoadedEnv:
     """Load ``orchestrator.env[index]``; raises ``ValueError`` naming the entry when it can't."""
     rollout = rollout or RolloutConfig()
+    if entry.openenv is not None:  # an OpenEnv server, not a taskset package (openenv_env.py)
+        return _load_openenv(entry, index, rollout, env_dirs)
     where = f"orchestrator.env[{index}].id = {entry.id!r}"
     prepare_imports(env_dirs)
+    if entry.package is not None:  # installed first when missing (env_install.py)
+        from prime_composer.orchestrator.env_install import install_package
+
+        install_package(entry, index)
     _import_taskset_module(entry.id, where, env_dirs)
     try:
         agent = _agent_settings(entry, taskset_class(entry.id), rollout, where)
@@ -158,6 +164,35 @@ def load_env(
             eval_taskset = vf.load_taskset(eval_config)
     except ValidationError as e:
         raise ValueError(f"{where}: invalid args or eval_args for this environment:\n{e}") from e
+    return LoadedEnv(index=index, config=entry, env=env, eval_taskset=eval_taskset, agent=agent)
+
+
+def _load_openenv(
+    entry: EnvConfig, index: int, rollout: RolloutConfig, env_dirs: Sequence[Path]
+) -> LoadedEnv:
+    """An entry with an ``openenv`` table: the server's taskset (``openenv_env.py``), whose tasks
+    are agentic, so its episodes run in the agent loop."""
+    from prime_composer.orchestrator import openenv_env
+
+    where = f"orchestrator.env[{index}] ({entry.label}, openenv)"
+    prepare_imports(env_dirs)
+    if entry.package is not None:  # an OpenEnv package, installed before its app is served
+        from prime_composer.orchestrator.env_install import install_package
+
+        install_package(entry, index)
+    agent = _agent_settings(entry, openenv_env.OpenEnvTaskset, rollout, where)
+    assert agent is not None  # its tasks are AgentTaskData
+    fields = openenv_env.taskset_fields(entry, agent, where)  # serves an `app` first
+    try:
+        env = vf.load_environment(_verifiers_env_config(openenv_env.TASKSET_ID, fields, rollout, agent))
+        eval_taskset = None
+        if entry.eval_args is not None:
+            eval_config = taskset_config_type(openenv_env.TASKSET_ID).model_validate(
+                {**fields, **entry.eval_args, "id": openenv_env.TASKSET_ID}
+            )
+            eval_taskset = vf.load_taskset(eval_config)
+    except ValidationError as e:
+        raise ValueError(f"{where}: invalid openenv settings or eval_args:\n{e}") from e
     return LoadedEnv(index=index, config=entry, env=env, eval_taskset=eval_taskset, agent=agent)
 
 

@@ -14,7 +14,9 @@ the inference server's ``/inference/v1/generate``, or a scripted stand-in in tes
         calls that do not parse -> a ``user`` message saying so, and the loop goes on
 
 until the model is done or a budget of ``AgentLoopConfig`` runs out (turns, context tokens,
-sampled tokens, wall time). Nothing the model writes can end the run with an exception: a bad
+sampled tokens, wall time). An episode played against an external environment (``Environment``:
+OpenEnv, ``openenv_env.py``) also ends when the environment says it is done, and a reply without a
+tool call is that environment's action: its observation comes back as a ``user`` turn. Nothing the model writes can end the run with an exception: a bad
 call is a tool result the model sees. Only a failed model call (the server is down, say) raises,
 ``ModelCallError``, which makes the episode an error sample.
 
@@ -52,6 +54,11 @@ class ModelCallError(RuntimeError):
     """A model call failed for a reason that is not the policy's (server error, bad answer)."""
 
 
+class EnvironmentFailure(RuntimeError):
+    """An external environment (``Environment``) could not be reached or broke its protocol: not
+    the policy's fault, so the episode becomes an error sample."""
+
+
 @dataclass(frozen=True)
 class Generation:
     """What the policy sampled for one prompt."""
@@ -77,6 +84,23 @@ class Tools(Protocol):
     async def call_async(self, name: str, arguments: str | dict[str, Any] | None) -> Any: ...
 
 
+class Environment(Protocol):
+    """An environment that plays the other side of the conversation (``openenv_env.py``).
+
+    ``act(text)`` takes a reply that called no tool as an action and returns the observation the
+    model sees next (a ``user`` turn), or ``None`` when such a reply ends the episode (an
+    environment whose actions are tool calls). ``done`` turns true once the environment ends the
+    episode, after an ``act`` or a tool call. Errors of a bad action are observations too; only an
+    environment that cannot be reached raises ``EnvironmentFailure`` (the episode becomes an error
+    sample).
+    """
+
+    @property
+    def done(self) -> bool: ...
+
+    async def act(self, text: str) -> str | None: ...
+
+
 @dataclass(frozen=True)
 class ToolOutcome:
     """One tool call as it ran: what the model saw and what the sandbox recorded."""
@@ -93,6 +117,8 @@ class ToolOutcome:
     exit_code: int | None = None
     """Exit status of the command the tool ran (``run``, ``run_tests``, ``search``), if it ran one."""
     duration_s: float = 0.0
+    external: bool = False
+    """An external tool's call (an MCP server's: ``ToolCallRecord.external``)."""
 
     @property
     def nonzero_exit(self) -> bool:
@@ -204,12 +230,14 @@ async def run_episode(
     max_context_tokens: int | None = None,
     episode: AgentEpisode | None = None,
     clock: Callable[[], float] = time.monotonic,
+    environment: Environment | None = None,
 ) -> AgentEpisode:
     """Play one episode from ``messages`` (the task's prompt); see the module docstring.
 
     ``max_reply_tokens`` caps each reply (the sampling config's ``max_tokens``);
     ``max_context_tokens`` is the smaller of ``config.max_context_tokens`` and the server's limit.
-    Pass ``episode`` (a fresh ``new_episode``) to keep a handle on the record while it runs.
+    Pass ``episode`` (a fresh ``new_episode``) to keep a handle on the record while it runs, and
+    ``environment`` for an episode against an external environment (stop ``env_done``).
     """
     definitions = tools.definitions() if tools is not None else []
     if episode is None:
@@ -250,8 +278,17 @@ async def run_episode(
             episode.messages, text, parser, tools, config, deadline=started + config.time_limit_s, clock=clock
         )
         turn.tool_calls, turn.malformed, turn.tool_results = acted.tool_calls, acted.malformed, acted.results
+        observed = False
+        if environment is not None and acted.done and not environment.done:
+            observation = await environment.act(text)
+            if observation is not None and not environment.done:  # the last one no model reads
+                episode.messages.append({"role": "user", "content": observation})
+                observed = True
         turn.tools_s = clock() - tools_started
-        if acted.done:
+        if environment is not None and environment.done:
+            episode.stop = "env_done"
+            break
+        if acted.done and not observed:
             episode.stop = "truncated" if generation.finish_reason == "length" else "final_answer"
             break
     else:
@@ -357,6 +394,7 @@ async def _run_call(
         error=record.error,
         exit_code=run.get("exit_code"),
         duration_s=record.duration_s,
+        external=record.external,
     )
 
 

@@ -36,6 +36,7 @@ from statistics import fmean, pstdev
 from typing import Any
 
 from prime_composer.checkpoint_layout import resume_step
+from prime_composer.client.tls import inference_tls
 from prime_composer.config.env import SamplingConfig
 from prime_composer.config.errors import RunError
 from prime_composer.config.orchestrator import OrchestratorConfig
@@ -87,7 +88,10 @@ class Orchestrator:
                 raise ValueError(f"orchestrator.env[{loaded.index}] (id={loaded.config.id!r}) has no tasks")
         self.metrics = MetricsLogger(config.output_dir, "orchestrator")
         self.pool = ReplicaPool(
-            config.server_urls, config.replicas, signer=inference_signer_from_env(config.inference_secret_env)
+            config.server_urls,
+            config.replicas,
+            signer=inference_signer_from_env(config.inference_secret_env),
+            tls=inference_tls(config.inference_tls_fingerprint, config.inference_tls_ca),
         )
         """The inference servers rollouts and weight updates go to (one, or several replicas)."""
 
@@ -186,11 +190,14 @@ class Orchestrator:
             metrics.update(channel.observe(rollouts.generated))
         metrics["time/wait_weights_s"], stream.wait_weights_s = stream.wait_weights_s, 0.0
         extras: dict[str, list[Any]] = {}
+        t0 = time.monotonic()
         for channel in self.channels:
             items = await channel.take(step, rollouts.kept)
             if items or channel.packer is not None:
                 extras[channel.name] = items
             metrics.update(channel.metrics())
+        metrics["time/channels_s"] = time.monotonic() - t0  # the channels' take (replay: pairs, reference)
+        t0 = time.monotonic()
         rank_batches, stats = pack_step(
             rollouts.kept,
             config.seq_len,
@@ -202,6 +209,7 @@ class Orchestrator:
             extras=extras,
         )
         sender.send(step, rank_batches)
+        metrics["time/pack_send_s"] = time.monotonic() - t0
         metrics.update(self._step_metrics(step, rollouts))
         metrics.update(stats.metrics())
         if len(self.pool.replicas) > 1:

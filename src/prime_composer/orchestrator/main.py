@@ -8,12 +8,15 @@
 from __future__ import annotations
 
 import asyncio
-import sys
+import logging
 
-from prime_composer.config.cli import run_entry_point
+from prime_composer.config.cli import exit_process, run_entry_point
 from prime_composer.config.errors import ConfigError
 from prime_composer.config.orchestrator import OrchestratorConfig
 from prime_composer.logs import setup_logging
+from prime_composer.start_gate import wait_start_gate
+
+logger = logging.getLogger(__name__)
 
 
 def run(config: OrchestratorConfig) -> int:
@@ -31,6 +34,11 @@ def run(config: OrchestratorConfig) -> int:
         envs = load_envs(config.env, config.rollout)
     except ValueError as e:  # names the offending orchestrator.env entry
         raise ConfigError(str(e)) from None
+    # Started by ``rl`` with the inference server: everything above loaded while it started; the
+    # first request waits for the launcher to find the services healthy (``start_gate.py``).
+    waited = wait_start_gate()
+    if waited >= 0.05:
+        logger.info("waited %.1f s for the services to be healthy (setup done before them)", waited)
     try:
         parts = build_channels(config, ChannelContext(tokenizer=tokenizer))
     except ValueError as e:  # names the orchestrator.<channel> key to fix
@@ -41,7 +49,7 @@ def run(config: OrchestratorConfig) -> int:
 
 
 def main() -> None:
-    sys.exit(
+    exit_process(
         run_entry_point(
             OrchestratorConfig,
             run,

@@ -10,38 +10,55 @@ sees, never an exception out of the episode.
 Two transports:
 
 - **stdio** (``command``): the server runs *in the episode's sandbox*, in its workspace, as the
-  workspace's user, without network. The sandbox runs a command to completion (``Sandbox.run``),
-  and the file tools are safe only because no sandboxed process outlives its run
-  (``sandbox/files.py``), so a server is not kept running across calls: each call is one sandbox
-  run of a small relay (``_RELAY``, stdlib only) that starts the server, sends ``initialize``,
+  workspace's user, without network, under the sandbox's limits. With ``lifetime = "episode"``
+  (the default, ``_EpisodeClient``) one server process serves the whole episode:
+  ``Sandbox.start`` starts it at the episode's first MCP call (the ``initialize`` handshake is
+  part of that call and its ``timeout_s``), every call is one JSON-RPC request on its stdin and
+  the answer on its stdout, and ``Workspace.close`` stops it. The file tools are safe only while
+  no sandboxed process of the workspace runs (``sandbox/files.py``), so the server is SIGSTOPped
+  between its calls (``ServerProcess.pause``: every process of the workspace's uid, until each
+  is stopped) and continued for the next; ``Toolset`` runs one call at a time per workspace. A
+  server that dies, times out (it is killed) or sends a line past the output limit is a tool
+  error the model sees, and the next call starts it again, at most ``max_restarts`` times per
+  episode. Concurrent episodes have their own workspaces, so their own servers. With
+  ``lifetime = "call"`` (``_PerCallClient``) each call is one sandbox run of a small relay
+  (``_RELAY``, stdlib only) that starts the server, sends ``initialize``,
   ``notifications/initialized`` and the request, waits for the answer and then closes the
-  server's stdin. (Closing stdin right after the request is not enough: the SDK's servers cancel
-  requests still in flight at end of input.) What a server keeps between calls must therefore
-  live in the workspace's files. The cost is one server start-up per call (``bench/`` numbers in
-  ``docs/experiments.md``). The tool list of a command is asked once per process.
+  server's stdin (closing it right after the request is not enough: the SDK's servers cancel
+  requests still in flight at end of input); nothing survives a call but the workspace's files,
+  and each call pays the server's start-up (``bench/mcp_stdio.py``). The tool list of a command
+  is asked once per process.
 - **streamable HTTP** (``url``): a server that is already running; each call opens a session with
-  the ``mcp`` SDK's client from the orchestrator's process (not sandboxed).
+  the ``mcp`` SDK's client from the orchestrator's process (not sandboxed), sending the headers of
+  ``headers_env`` (values read from environment variables at the call, never logged).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
+import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from mcp_types import CallToolResult, ListToolsResult
 from pydantic import ValidationError
 
 from prime_composer.config.env import McpServerConfig
-from prime_composer.sandbox import RunResult, Sandbox, Workspace, format_run
+from prime_composer.sandbox import RunResult, Sandbox, SandboxError, Workspace, format_run
 from prime_composer.sandbox.files import ToolError
+from prime_composer.sandbox.server import ServerGone, ServerProcess
 from prime_composer.sandbox.tools import Tool
 
 PROTOCOL_VERSION = "2025-06-18"
 """The MCP protocol version this client speaks (the handshake protocol; servers of the 2.x SDK
 and older ones accept it)."""
+
+logger = logging.getLogger(__name__)
 
 CLIENT_INFO = {"name": "prime-composer", "version": "0.1.0"}
 
@@ -85,9 +102,13 @@ def mcp_tools(servers: Sequence[McpServerConfig], sandbox: Sandbox, workspace: W
         raise ValueError(f"mcp servers: two servers share a name in {names}; names must be unique")
     tools: list[Tool] = []
     for server in servers:
-        client: _Client = (
-            _StdioClient(server, sandbox, workspace) if server.command is not None else _HttpClient(server)
-        )
+        client: _Client
+        if server.command is None:
+            client = _HttpClient(server)
+        elif server.lifetime == "call":
+            client = _PerCallClient(server, sandbox, workspace)
+        else:
+            client = _EpisodeClient(server, sandbox, workspace)
         listed = client.list_tools()
         offered = {tool["name"]: tool for tool in listed}
         if server.tools is not None:
@@ -133,8 +154,169 @@ _listed: dict[str, list[dict[str, Any]]] = {}
 _listed_lock = threading.Lock()
 
 
-class _StdioClient(_Client):
-    """One sandbox run per request (see the module docstring)."""
+def _initialize() -> dict[str, Any]:
+    return {
+        "jsonrpc": "2.0",
+        "id": 0,
+        "method": "initialize",
+        "params": {"protocolVersion": PROTOCOL_VERSION, "capabilities": {}, "clientInfo": CLIENT_INFO},
+    }
+
+
+_INITIALIZED = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+
+
+def _tool_list(name: str, result: dict[str, Any] | None, why: str) -> list[dict[str, Any]]:
+    """The tools of a ``tools/list`` result; ``McpError`` when there is none or it is invalid."""
+    if result is None:
+        raise McpError(f"mcp server {name!r}: tools/list failed: {why}")
+    try:
+        return [
+            tool.model_dump(mode="json", exclude_none=True, by_alias=True)
+            for tool in ListToolsResult.model_validate(result).tools
+        ]
+    except ValidationError as e:
+        raise McpError(f"mcp server {name!r}: tools/list sent an invalid answer: {e}") from e
+
+
+def _refused(server: str, message: dict[str, Any]) -> ToolError:
+    return ToolError(
+        "mcp_error", f"the {server} MCP server refused the call: {message['error'].get('message')}"
+    )
+
+
+class _EpisodeClient(_Client):
+    """One server process for the episode, paused between its calls (see the module docstring)."""
+
+    def __init__(self, config: McpServerConfig, sandbox: Sandbox, workspace: Workspace) -> None:
+        self.config, self.sandbox, self.workspace = config, sandbox, workspace
+        self.limits = sandbox.config.limits.model_copy(update={"timeout_s": config.timeout_s})
+        self.server: ServerProcess | None = None
+        self.num_starts = 0
+        self._next_id = 1
+        self._lock = threading.Lock()
+
+    def list_tools(self) -> list[dict[str, Any]]:
+        key = json.dumps(self.config.command)
+        with _listed_lock:
+            if key in _listed:
+                return _listed[key]
+        try:
+            result = self._request("tools/list", {})
+        except ToolError as e:
+            raise McpError(f"mcp server {self.config.name!r}: tools/list failed: {e}") from e
+        tools = _tool_list(self.config.name, result, "no result")
+        with _listed_lock:
+            _listed[key] = tools
+        return tools
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> tuple[str, RunResult | None]:
+        result = self._request("tools/call", {"name": name, "arguments": arguments})
+        if result is None:
+            raise ToolError("mcp_error", f"the {self.config.name} MCP server sent an answer without a result")
+        return _render(self.config.name, result), None
+
+    def _request(self, method: str, params: dict[str, Any]) -> dict[str, Any] | None:
+        """The ``result`` of one request on the episode's server (started here if need be)."""
+        with self._lock:
+            deadline = time.monotonic() + self.config.timeout_s
+            server = self._server(deadline)
+            server.resume()
+            try:
+                request_id, self._next_id = self._next_id, self._next_id + 1
+                message = self._exchange(
+                    server, {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}, deadline
+                )
+            except TimeoutError:
+                server.close(f"killed: a call took longer than timeout_s = {self.config.timeout_s:g} s")
+                raise ToolError(
+                    "timeout",
+                    f"timed out after {self.config.timeout_s:g} s; the {self.config.name} MCP server was "
+                    f"stopped{self._restart_note()}",
+                ) from None
+            except ServerGone:
+                server.close()
+                raise ToolError(
+                    "mcp_server_died",
+                    f"the {self.config.name} MCP server ended ({server.describe()}){self._restart_note()}",
+                ) from None
+            finally:
+                # Paused until its next call; one that does not stop is killed (the next call
+                # starts a new one), so no sandboxed process runs while a file tool works.
+                if server.alive and not server.pause():
+                    logger.warning("mcp server %r: %s", self.config.name, server.describe())
+            if isinstance(message.get("error"), dict):
+                raise _refused(self.config.name, message)
+            result = message.get("result")
+            return result if isinstance(result, dict) else None
+
+    def _server(self, deadline: float) -> ServerProcess:
+        """The running server, or a new one that has done the ``initialize`` handshake."""
+        if self.server is not None and self.server.alive:
+            return self.server
+        if self.num_starts > self.config.max_restarts:
+            raise ToolError(
+                "mcp_server_died",
+                f"the {self.config.name} MCP server ended {self.num_starts} times in this episode "
+                f"(max_restarts = {self.config.max_restarts}); its tools are unavailable now",
+            )
+        assert self.config.command is not None
+        self.num_starts += 1
+        try:
+            self.server = server = self.sandbox.start(self.workspace, self.config.command, limits=self.limits)
+        except SandboxError as e:
+            raise ToolError("mcp_error", f"the {self.config.name} MCP server could not start: {e}") from e
+        try:
+            answer = self._exchange(server, _initialize(), deadline)
+            if "result" not in answer:
+                raise ServerGone(f"it refused initialize: {answer.get('error')}")
+            server.send(json.dumps(_INITIALIZED).encode() + b"\n", deadline)
+        except TimeoutError:
+            server.close(f"killed: no answer to initialize within timeout_s = {self.config.timeout_s:g} s")
+            raise ToolError(
+                "timeout",
+                f"timed out after {self.config.timeout_s:g} s while the {self.config.name} MCP server "
+                f"started{self._restart_note()}",
+            ) from None
+        except ServerGone as e:
+            server.close()
+            raise ToolError(
+                "mcp_server_died",
+                f"the {self.config.name} MCP server did not start ({e}){self._restart_note()}",
+            ) from None
+        return server
+
+    def _exchange(self, server: ServerProcess, request: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """Send ``request`` and return the answer with its id; the server's own requests (``ping``,
+        ``roots/list``, ...) get a JSON-RPC error, its notifications are skipped."""
+        server.send(json.dumps(request).encode() + b"\n", deadline)
+        while True:
+            line = server.receive(deadline)
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(message, dict):
+                continue
+            if "method" in message and "id" in message:
+                refusal = {
+                    "jsonrpc": "2.0",
+                    "id": message["id"],
+                    "error": {"code": -32601, "message": "this client serves no requests"},
+                }
+                server.send(json.dumps(refusal).encode() + b"\n", deadline)
+            elif message.get("id") == request["id"] and ("result" in message or "error" in message):
+                return message
+
+    def _restart_note(self) -> str:
+        left = self.config.max_restarts + 1 - self.num_starts
+        if left <= 0:
+            return f"; it is not started again in this episode (max_restarts = {self.config.max_restarts})"
+        return f"; the next call starts it again ({left} restart{'s' if left != 1 else ''} left)"
+
+
+class _PerCallClient(_Client):
+    """One sandbox run per request (``lifetime = "call"``, see the module docstring)."""
 
     def __init__(self, config: McpServerConfig, sandbox: Sandbox, workspace: Workspace) -> None:
         self.config, self.sandbox, self.workspace = config, sandbox, workspace
@@ -146,15 +328,7 @@ class _StdioClient(_Client):
             if key in _listed:
                 return _listed[key]
         result, run = self._request("tools/list", {})
-        if result is None:
-            raise McpError(f"mcp server {self.config.name!r}: tools/list failed: {_describe(run)}")
-        try:
-            tools = [
-                tool.model_dump(mode="json", exclude_none=True, by_alias=True)
-                for tool in ListToolsResult.model_validate(result).tools
-            ]
-        except ValidationError as e:
-            raise McpError(f"mcp server {self.config.name!r}: tools/list sent an invalid answer: {e}") from e
+        tools = _tool_list(self.config.name, result, _describe(run))
         with _listed_lock:
             _listed[key] = tools
         return tools
@@ -171,17 +345,8 @@ class _StdioClient(_Client):
         """The ``result`` of one request (None when there is none) and the run that made it."""
         assert self.config.command is not None
         messages = [
-            {
-                "jsonrpc": "2.0",
-                "id": 0,
-                "method": "initialize",
-                "params": {
-                    "protocolVersion": PROTOCOL_VERSION,
-                    "capabilities": {},
-                    "clientInfo": CLIENT_INFO,
-                },
-            },
-            {"jsonrpc": "2.0", "method": "notifications/initialized"},
+            _initialize(),
+            _INITIALIZED,
             {"jsonrpc": "2.0", "id": 1, "method": method, "params": params},
         ]
         stdin = "".join(json.dumps(m) + "\n" for m in messages).encode()
@@ -196,10 +361,7 @@ class _StdioClient(_Client):
             if not isinstance(message, dict) or message.get("id") != 1:
                 continue
             if isinstance(message.get("error"), dict):
-                error = message["error"]
-                raise ToolError(
-                    "mcp_error", f"the {self.config.name} MCP server refused the call: {error.get('message')}"
-                )
+                raise _refused(self.config.name, message)
             result = message.get("result")
             return (result if isinstance(result, dict) else None), run
         return None, run
@@ -244,16 +406,39 @@ class _HttpClient(_Client):
         return asyncio.run(bounded())
 
     async def _list(self) -> ListToolsResult:
-        from mcp import Client
-
-        async with Client(self.config.url or "") as client:
+        async with self._session() as client:
             return await client.list_tools()
 
     async def _call(self, name: str, arguments: dict[str, Any]) -> CallToolResult:
-        from mcp import Client
-
-        async with Client(self.config.url or "") as client:
+        async with self._session() as client:
             return await client.call_tool(name, arguments)
+
+    @contextlib.asynccontextmanager
+    async def _session(self) -> AsyncIterator[Any]:
+        """An SDK client session; with ``headers_env`` its HTTP client sends those headers."""
+        from mcp import Client
+        from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client
+
+        url = self.config.url or ""
+        if not self.config.headers_env:
+            async with Client(url) as client:
+                yield client
+            return
+        async with (
+            create_mcp_http_client(headers=self.headers()) as http,
+            Client(streamable_http_client(url, http_client=http)) as client,
+        ):
+            yield client
+
+    def headers(self) -> dict[str, str]:
+        """``headers_env``'s headers with their values read from the environment now."""
+        missing = [v for v in self.config.headers_env.values() if not os.environ.get(v)]
+        if missing:
+            raise McpError(
+                f"mcp server {self.config.name!r}: headers_env reads {', '.join(sorted(missing))}, which "
+                "is not set (or empty) in the orchestrator's environment; export it before the run"
+            )
+        return {header: os.environ[v] for header, v in self.config.headers_env.items()}
 
 
 def _render(server: str, result: dict[str, Any]) -> str:

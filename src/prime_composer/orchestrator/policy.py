@@ -68,7 +68,9 @@ class PolicySync:
         self._lock = asyncio.Lock()
         # Signed calls (``wire.auth``): the secret itself never crosses the wire.
         signer = inference_signer(secret)
-        self._clients = [EndpointClient(r.url, retry=retry, signer=signer) for r in self.pool.replicas]
+        self._clients = [
+            EndpointClient(r.url, retry=retry, signer=signer, tls=self.pool.tls) for r in self.pool.replicas
+        ]
 
     @property
     def loaded_step(self) -> int:

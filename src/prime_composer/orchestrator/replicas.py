@@ -47,6 +47,7 @@ from typing import Any
 import httpx
 
 from prime_composer.client.http import EndpointClient
+from prime_composer.client.tls import InferenceTLS, async_transport
 from prime_composer.config.client import RetryConfig
 from prime_composer.config.orchestrator import ReplicasConfig
 from prime_composer.netaddr import is_loopback, server_root
@@ -93,8 +94,10 @@ class ReplicaPool:
         clock: Callable[[], float] = time.monotonic,
         loaded_step: int = 0,
         signer: Signer | None = None,
+        tls: InferenceTLS | None = None,
     ) -> None:
-        """``signer``: signs the calls the relay sends on (see the module docstring)."""
+        """``signer``: signs the calls the relay sends on (see the module docstring); ``tls``: how
+        ``https://`` servers' certificates are checked (``client.tls``; None: the system's CAs)."""
         if not urls:
             raise ValueError("a replica pool needs at least one server URL")
         self.config = config or ReplicasConfig()
@@ -106,6 +109,7 @@ class ReplicaPool:
         self._changed = asyncio.Event()
         self._probe_task: asyncio.Task[None] | None = None
         self.signer = signer
+        self.tls = tls
         self._health: dict[int, EndpointClient] = {}
         self._closing: list[EndpointClient] = []
         self._reported: dict[str, int] = {}
@@ -233,7 +237,8 @@ class ReplicaPool:
         """One attempt within ``timeout_s``: a probe that fails is asked again at the next probe."""
         client = self._health.get(replica.index)
         if client is None or client.retry.timeout_s != timeout_s:
-            client = EndpointClient(replica.url, retry=RetryConfig(timeout_s=timeout_s, max_retries=0))
+            retry = RetryConfig(timeout_s=timeout_s, max_retries=0)
+            client = EndpointClient(replica.url, retry=retry, tls=self.tls)
             old, self._health[replica.index] = self._health.get(replica.index), client
             if old is not None:
                 self._closing.append(old)
@@ -306,9 +311,11 @@ class ReplicaRouter:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
         timeout = self.pool.config.request_timeout_s
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=10.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            limits=limits,
+            transport=async_transport(self.pool.tls, limits),
         )
         # Idle connections stay open longer than the callers' pools keep them (httpx: 5 s).
         self._server = Quiet(uvicorn.Config(self, log_level="warning", lifespan="off", timeout_keep_alive=75))
@@ -415,9 +422,10 @@ def _error_json(message: str, code: int) -> bytes:
 @contextlib.asynccontextmanager
 async def rollout_url(pool: ReplicaPool) -> AsyncIterator[str]:
     """The base URL rollouts use: the server itself with one replica (on this machine, or with no
-    signer), the relay with several or with a signer and a server on another machine."""
+    signer), the relay with several, with a signer and a server on another machine, or with a pinned
+    certificate or CA (``tls``: the rollouts' own client would not check it)."""
     remote = any(not is_loopback(httpx.URL(r.url).host) for r in pool.replicas)
-    if len(pool.replicas) == 1 and not (pool.signer is not None and remote):
+    if len(pool.replicas) == 1 and not (pool.signer is not None and remote) and pool.tls is None:
         yield pool.urls[0]
         return
     async with ReplicaRouter(pool) as url:

@@ -423,6 +423,10 @@ def _agent_metrics(episode: AgentEpisode) -> dict[str, float]:
         "agent/tool_errors": float(sum(not r.ok for r in results)),
         "agent/malformed_calls": float(sum(len(turn.malformed) for turn in episode.turns)),
         "agent/test_runs": float(sum(r.name == "run_tests" for r in results)),
+        # MCP servers' tools apart (orchestrator/mcp_tools.py): their calls, failures and time.
+        "agent/mcp_calls": float(sum(r.external for r in results)),
+        "agent/mcp_errors": float(sum(r.external and not r.ok for r in results)),
+        "agent/mcp_call_s": sum(r.duration_s for r in results if r.external),
         "agent/episode_s": episode.duration_s,
         "agent/generated_tokens": float(episode.num_generated),
         "num_turns": float(len(episode.turns)),

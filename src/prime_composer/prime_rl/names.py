@@ -41,7 +41,7 @@ from pydantic import BaseModel
 
 from prime_composer.config.cli import DIALECTS, flatten, origin_of, resolve_field
 from prime_composer.config.errors import ConfigError
-from prime_composer.prime_rl.rules import REPLICAS_WHY, RULES, SEATS, Kind, Rule
+from prime_composer.prime_rl.rules import REPLICAS_WHY, RULES, SEATS, VLLM_DP_WHY, Kind, Rule
 
 
 @dataclass
@@ -129,6 +129,7 @@ class _Translator:
         self._optim()
         self._seq_len()
         self._vllm_passthrough()
+        self._data_parallel()
         self._inference_gpus()
         self._deployment()
         for key in list(self.flat):
@@ -425,11 +426,37 @@ class _Translator:
             else:
                 self._seat(key, value, full, origin)
 
+    def _copies(self) -> tuple[str, str]:
+        """Where PRIME-RL's data-parallel engines go, and why: vLLM's own with the ``vllm`` backend
+        (``inference.vllm.data_parallel_size``, one server as in PRIME-RL), else one server each
+        (``inference.num_replicas``, which the ``hf`` backend can run)."""
+        if self.flat.get("inference.backend") == "vllm":
+            return "inference.vllm.data_parallel_size", VLLM_DP_WHY
+        return "inference.num_replicas", (
+            f"{REPLICAS_WHY} (with inference.backend = 'vllm': vLLM's own, inference.vllm.data_parallel_size)"
+        )
+
+    def _data_parallel(self) -> None:
+        """``inference.parallel.dp`` (vLLM's ``--data-parallel-size`` in PRIME-RL) -> ``_copies``.
+
+        ``inference.vllm.data_parallel_size`` is our key too, and stays as it is with the ``vllm``
+        backend. In a file that speaks PRIME-RL (a key that is not ours) without the ``vllm``
+        backend it becomes ``inference.num_replicas``, as PRIME-RL's engines do on ``hf``; in our
+        own config on ``hf`` it stays, and ``rl`` refuses it (vLLM's parallelism without vLLM)."""
+        key = "inference.parallel.dp"
+        if key in self.flat:
+            ours, why = self._copies()
+            self.put(ours, self.flat.pop(key), key, self.origin(key), why)
+        key = "inference.vllm.data_parallel_size"
+        ours, why = self._copies()
+        if key in self.flat and ours != key and any(not _exists(self.model, k) for k in self.flat):
+            self.put(ours, self.flat.pop(key), key, self.origin(key), why)
+
     def _inference_gpus(self) -> None:
-        """One node's ``num_infer_gpus`` -> ``inference.num_replicas = num_infer_gpus /
-        tensor_parallel_size`` (PRIME-RL's data-parallel engines, each a server of its own here),
-        and PRIME-RL's GPU layout (inference on the first ``num_infer_gpus`` GPUs, the trainer on the
-        next ``num_train_gpus``) -> ``launch.gpus``."""
+        """One node's ``num_infer_gpus`` -> ``num_infer_gpus / tensor_parallel_size`` data-parallel
+        engines (what PRIME-RL fills them with; ``_copies`` says where they go), and PRIME-RL's
+        GPU layout (inference on the first ``num_infer_gpus`` GPUs, the trainer on the next
+        ``num_train_gpus``) -> ``launch.gpus``."""
         if "deployment.num_infer_gpus" not in self.flat or self.flat.get("deployment.type") == "multi_node":
             return
         key = "deployment.num_infer_gpus"
@@ -447,12 +474,13 @@ class _Translator:
                 "a multiple of inference.vllm.tensor_parallel_size (inference.parallel.tp)",
             )
             return
+        ours, why = self._copies()
         self.put(
-            "inference.num_replicas",
+            ours,
             infer // tp,
             key,
             origin,
-            f"num_infer_gpus / tensor_parallel_size = {infer} / {tp}: {REPLICAS_WHY}",
+            f"num_infer_gpus / tensor_parallel_size = {infer} / {tp}: {why}",
             shown=infer,
         )
         self.put(

@@ -80,6 +80,11 @@ REPLICAS_WHY = (
     "each data-parallel engine is its own server (a replica) here; the orchestrator spreads "
     "rollouts over them and updates them all"
 )
+VLLM_DP_WHY = "vLLM's data parallelism, as in PRIME-RL: one server with that many engines"
+_ONE_API_SERVER = (
+    "each server has one API process, which spreads requests over its data-parallel engines "
+    "(the admin routes keep the served step in it)"
+)
 _LORA_SERVED = "the adapter is served under the model's own name (inference.served_model_name)"
 _LORA_VLLM = "rl starts vLLM with --enable-lora --max-lora-rank trainer.model.lora.rank when LoRA is on"
 _NO_LENGTH_PENALTY = (
@@ -290,19 +295,21 @@ RULES: tuple[Rule, ...] = (
     rename("inference.server.host", "inference.host"),
     rename("inference.server.port", "inference.port"),
     rename("inference.env_vars.*", "inference.vllm.env.*"),
-    rename(
-        "inference.vllm.data_parallel_size",
-        "inference.num_replicas",
-        why=REPLICAS_WHY,
-    ),
-    rename("inference.parallel.dp", "inference.num_replicas", why=REPLICAS_WHY),
+    # inference.parallel.dp and deployment.num_infer_gpus: names.py (_data_parallel), whose target
+    # depends on the backend; inference.vllm.data_parallel_size is ours (the same vLLM flag).
     rename("inference.parallel.tp", "inference.vllm.tensor_parallel_size"),
-    ignored(
-        "inference.vllm.data_parallel_size_local",
-        "the replicas rl starts all run on its own node",
-        "inference.num_replicas",
+    *(
+        ignored(
+            key,
+            "rl runs every data-parallel engine (and every replica) on its own node",
+            "inference.vllm.data_parallel_size or inference.num_replicas",
+        )
+        for key in ("inference.vllm.data_parallel_size_local", "inference.data_parallel_size_local")
     ),
-    ignored("inference.vllm.api_server_count", "each replica is one server with one API process"),
+    *(
+        ignored(key, _ONE_API_SERVER, "inference.vllm.data_parallel_size")
+        for key in ("inference.vllm.api_server_count", "inference.api_server_count")
+    ),
     ignored("inference.vllm.enable_return_routed_experts", "MoE router replay is not implemented"),
     ignored("inference.vllm.enable_lora", _LORA_VLLM, "trainer.model.lora"),
     ignored("inference.vllm.max_lora_rank", _LORA_VLLM, "trainer.model.lora.rank"),

@@ -43,7 +43,9 @@ machines, kernel 6.18, cgroup v1, no container engine):
 - **No orphans**: the command's tree lives in its own pid namespace, whose init exits when the
   command does; the kernel then kills everything left (a ``sleep`` grandchild, a daemon, a fork
   bomb). On timeout the run's process group is SIGKILLed, and every sandbox process asks for
-  SIGKILL when its parent dies, so a crash of this process kills its runs too.
+  SIGKILL when its parent dies, so a crash of this process kills its runs too. The one run
+  that outlives a call, ``Sandbox.start`` (``server.py``, an MCP stdio server kept for an
+  episode), is SIGSTOPped between its calls and killed by ``Workspace.close``.
 - **A scrubbed environment**: a fixed set of variables (``Sandbox.environment``: PATH with the
   Python environment's ``bin`` first, HOME = the workspace, TMPDIR, LANG, PYTHONDONTWRITEBYTECODE,
   one BLAS/OpenMP thread, ...) plus ``extra_env``; nothing is inherited, so API keys never reach sandboxed code, and the

@@ -30,8 +30,9 @@ from typing import Any
 
 from prime_composer.config.sandbox import LimitsConfig, SandboxConfig
 from prime_composer.sandbox import mounts
-from prime_composer.sandbox.cgroups import CONTROLLERS, Cgroups, RunLimits, RunUsage
+from prime_composer.sandbox.cgroups import CONTROLLERS, Cgroups, RunCgroup, RunLimits, RunUsage
 from prime_composer.sandbox.output import Capture
+from prime_composer.sandbox.server import ServerProcess
 from prime_composer.sandbox.spawn import Spawner, SpawnError, watch
 from prime_composer.sandbox.workspace import IdPool, Workspace
 
@@ -254,6 +255,46 @@ class Sandbox:
             self._executor, lambda: self.run(workspace, command, limits=limits, stdin=stdin, cwd=cwd)
         )
 
+    def start(
+        self,
+        workspace: Workspace,
+        command: Sequence[str],
+        *,
+        limits: LimitsConfig | None = None,
+        cwd: str = ".",
+    ) -> ServerProcess:
+        """Start ``command`` in ``workspace`` as a run that is not waited for: a long-lived server
+        whose stdin and stdout lines the caller uses (``sandbox/server.py``, for MCP stdio servers).
+
+        The run is isolated and limited like ``run``'s, except that ``timeout_s`` does not apply
+        (each call has the caller's deadline). The server is killed at ``workspace.close()`` at the
+        latest. Raises ``SandboxError`` if the sandbox could not start it.
+        """
+        if workspace.closed:
+            raise ValueError("sandbox: the workspace is closed")
+        limits = limits or self.config.limits
+        argv = list(command)
+        if not argv:
+            raise ValueError("sandbox: empty command")
+        spec = self._spec(workspace, argv, limits, str(workspace.resolve(cwd)), isolate=self.isolated)
+        spec, cgroup = self._with_cgroup(spec, limits, "server")
+        try:
+            pgid, pipes = self._spawner.spawn(spec, stdin=True)
+        except (SpawnError, OSError) as e:
+            if cgroup is not None:
+                cgroup.finish()
+            raise SandboxError(f"sandbox: {e}") from e
+        server = ServerProcess(
+            pgid,
+            pipes,
+            uid=workspace.uid if spec["isolate"] else None,
+            cgroup=cgroup,
+            max_line_bytes=limits.kill_output_bytes,
+            stderr_bytes=limits.max_output_bytes,
+        )
+        workspace.at_close(server.close)
+        return server
+
     @property
     def executor(self) -> ThreadPoolExecutor:
         """The thread pool ``run_async`` uses (tools run their blocking work on it too)."""
@@ -334,15 +375,22 @@ class Sandbox:
             "seccomp": isolate and self.config.seccomp,
         }
 
+    def _with_cgroup(
+        self, spec: dict[str, Any], limits: LimitsConfig, what: str
+    ) -> tuple[dict[str, Any], RunCgroup | None]:
+        """``spec`` with a fresh cgroup of ``limits`` for an isolated run where cgroups are
+        available, and that cgroup (None otherwise); the caller finishes it."""
+        if not (spec["isolate"] and self._cgroups.available):
+            return spec, None
+        try:
+            cgroup = self._cgroups.create(_run_limits(limits))
+        except OSError as e:
+            raise SandboxError(f"sandbox: cannot create the {what}'s cgroup: {e}") from e
+        return {**spec, "cgroup_procs": cgroup.procs_files}, cgroup
+
     def _execute(self, spec: dict[str, Any], limits: LimitsConfig, stdin: bytes | None) -> RunResult:
         start = time.monotonic()
-        cgroup = None
-        if spec["isolate"] and self._cgroups.available:
-            try:
-                cgroup = self._cgroups.create(_run_limits(limits))
-            except OSError as e:
-                raise SandboxError(f"sandbox: cannot create the run's cgroup: {e}") from e
-            spec = {**spec, "cgroup_procs": cgroup.procs_files}
+        spec, cgroup = self._with_cgroup(spec, limits, "run")
         stdout, stderr = Capture(limits.max_output_bytes), Capture(limits.max_output_bytes)
         try:
             try:

@@ -69,6 +69,8 @@ class ToolCallRecord:
     """The result (or the command's output) was cut to its limit."""
     run: dict[str, Any] | None = None
     """``RunResult.to_dict()`` of the tools that run a command."""
+    external: bool = False
+    """The tool is an external one (``Tool.external``: an MCP server's), not the sandbox's."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,6 +173,7 @@ class Toolset:
         # concurrently: the file tools rely on no sandboxed process running while they work.
         with self._lock:
             outcome = self._dispatch(str(name), arguments)
+        tool = self.tools.get(str(name))
         content, cut = truncate_middle(outcome.content, self.config.max_result_bytes)
         run = outcome.run
         record = ToolCallRecord(
@@ -182,6 +185,7 @@ class Toolset:
             result_bytes=len(content.encode()),
             truncated=cut or outcome.truncated or (run is not None and "output" in run.limits_hit),
             run=run.to_dict() if run is not None else None,
+            external=tool is not None and tool.external,
         )
         self.records.append(record)
         return ToolResult(content, record)
@@ -411,6 +415,12 @@ _JSON_TYPES: dict[str, Callable[[object], bool]] = {
     "object": lambda v: isinstance(v, dict),
     "null": lambda v: v is None,
 }
+
+
+def validate_arguments(tool: Tool, args: Any) -> None:
+    """Check a tool call's parsed ``args`` as ``Toolset`` does (for tools served elsewhere, e.g. an
+    OpenEnv environment's); raises ``ToolError`` saying what is wrong."""
+    _validate(tool, args)
 
 
 def _validate(tool: Tool, args: Any) -> None:

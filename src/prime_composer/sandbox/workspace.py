@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import fcntl
 import itertools
+import logging
 import os
 import secrets
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 class PathOutsideWorkspace(ValueError):
@@ -101,6 +105,7 @@ class Workspace:
         self.tmp = root / "tmp"
         self.uid = uid
         self._id_lock_fd: int | None = id_lock_fd
+        self._at_close: list[Callable[[], None]] = []
         self.closed = False
 
     @classmethod
@@ -171,11 +176,21 @@ class Workspace:
         if self.uid is not None:
             os.lchown(path, self.uid, self.uid)
 
+    def at_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the workspace closes, before its files go and its uid is freed
+        (``sandbox/server.py``: a process kept running in the workspace is stopped there)."""
+        self._at_close.append(callback)
+
     def close(self) -> None:
-        """Delete the workspace's files and free its uid."""
+        """Stop what ``at_close`` registered, delete the workspace's files and free its uid."""
         if self.closed:
             return
         self.closed = True
+        for callback in self._at_close:
+            try:
+                callback()
+            except Exception:
+                logger.exception("sandbox: a close callback of workspace %s failed", self.root.name)
         _remove_tree(self.root)
         if self._id_lock_fd is not None:
             os.close(self._id_lock_fd)

@@ -8,7 +8,8 @@ Per step (an assistant turn), four features in [0, 1]:
 - **impact** of the action: edits > commands > plain messages > reads (``impact_*``);
 - **error proximity**: 1 for a step whose tool result is an error (non-zero ``exit_code``,
   ``is_error``, or one of ``error_patterns`` such as a traceback or failing tests), whose edit is
-  later reverted, or that reverts an edit; ``1 - distance / (error_window + 1)`` for the
+  later reverted, or that reverts an edit, or that answers before any tool ran in a trace that
+  offers tools (nothing checked); ``1 - distance / (error_window + 1)`` for the
   ``error_window`` steps before and after such a step (the mistake usually comes a step or two
   before the test run that exposes it; the step after a failure is how the agent reacts to it);
   0 otherwise;
@@ -174,6 +175,10 @@ def error_steps(trace: Trace, cfg: GateConfig) -> tuple[set[int], set[int]]:
                 targets = {w for w in words[2:] if not w.startswith("-")}
                 undone = {e for e, epath, _, _ in edits if not targets or epath in targets}
                 reverted.update(undone | ({position} if undone else set()))
+    # An answer before any tool ran, where tools were offered: nothing was checked (an agent that
+    # says "looks fine" at once leaves no error to be near, yet is the likeliest of all to be wrong).
+    if trace.record.tools and steps and not any(trace.turns[k].tool_calls for k in steps):
+        failed.add(len(steps) - 1)
     return failed, reverted
 
 

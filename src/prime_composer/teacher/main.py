@@ -10,22 +10,24 @@ imported when the first pair needs reference logprobs.
 
 from __future__ import annotations
 
-import sys
+import os
 
-from prime_composer.config.cli import run_entry_point
+from prime_composer.config.cli import exit_process, run_entry_point
 from prime_composer.config.teacher import TeacherServiceConfig
 from prime_composer.logs import setup_logging
 
 
 def run(config: TeacherServiceConfig) -> int:
     setup_logging("teacher")
+    if config.nice:  # below the RL step's processes on shared cores (``teacher.nice``)
+        os.nice(config.nice)
     from prime_composer.teacher.service import run_service
 
     return run_service(config)
 
 
 def main() -> None:
-    sys.exit(
+    exit_process(
         run_entry_point(
             TeacherServiceConfig,
             run,

@@ -23,8 +23,10 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import signal
 import socket
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -216,17 +218,28 @@ class _ReplayThread:
             self._loop.close()
 
     async def _main(self) -> None:
-        iteration = 0
+        iteration, labeled_since, logged_at = 0, 0, -math.inf
+
+        def log() -> None:
+            nonlocal labeled_since, logged_at
+            metrics = {**_summary(self.store.stats()), "teacher/steps_labeled": labeled_since}
+            self.metrics.log(iteration, metrics)
+            labeled_since, logged_at = 0, time.monotonic()
+
         try:
             while not self._stop.is_set():
                 self._wake.clear()
                 labeled = await self.replayer.run_pending()
                 iteration += 1
-                self.metrics.log(
-                    iteration, {**_summary(self.store.stats()), "teacher/steps_labeled": labeled}
-                )
+                labeled_since += labeled
+                # The summary reads the whole store (the gate's calibration over every label): at
+                # most once per poll_s, or a service woken by every posted batch spends its CPU
+                # (on shared cores, the RL step's) on metrics.
+                if time.monotonic() - logged_at >= self.cfg.poll_s:
+                    log()
                 if labeled == 0:
                     await _wait(self._wake, self.cfg.poll_s)
+            log()  # the final counts
         finally:  # the teachers' HTTP clients belong to this loop
             await self.replayer.pool.aclose()
             if self.replayer.student is not None:

@@ -9,9 +9,8 @@
 from __future__ import annotations
 
 import os
-import sys
 
-from prime_composer.config.cli import run_entry_point
+from prime_composer.config.cli import exit_process, run_entry_point
 from prime_composer.config.trainer import TrainerConfig
 from prime_composer.logs import setup_logging
 
@@ -26,7 +25,7 @@ def run(config: TrainerConfig) -> int:
 
 
 def main() -> None:
-    sys.exit(
+    exit_process(
         run_entry_point(
             TrainerConfig,
             run,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from prime_composer.config.cli import run_entry_point
+from prime_composer.config.cli import exit_process, run_entry_point
 from prime_composer.config.sft import SFTConfig
 from prime_composer.logs import setup_logging
 from prime_composer.metrics import MetricsLogger
@@ -224,7 +223,7 @@ def _run_command(cfg: SFTConfig) -> int:
 
 
 def main() -> None:
-    sys.exit(
+    exit_process(
         run_entry_point(
             SFTConfig,
             _run_command,

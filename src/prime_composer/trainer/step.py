@@ -75,6 +75,10 @@ def train_step(
         # averages gradients over ranks, which the world-size factor undoes.
         (loss * world_size).backward()
         total += loss.detach().float()
+        # Drop this micro-batch's outputs now, not when the next forward returns: a term's [N, V]
+        # logits (SDPO's student rows) would otherwise be alive through the next teacher and
+        # student forwards, at the step's memory peak.
+        del out
     reduced = finalize_metrics(acc)
     for term in terms:
         reduced[f"loss/{term.name}"] = float(all_reduce_sum(per_term[term.name]))

@@ -17,7 +17,15 @@ DiLoCo links (``wire/auth.py``, ``wire/tls.py``, ``wire/fetch.py``):
   checks the digests again and the values for finiteness before anything is served.
 
 Routes: ``/health``; ``/latest`` (``{"step": N}``, the newest ``STABLE`` step); ``/step_<N>/<file>``
-for ``MANIFEST.json``, ``MANIFEST.sig`` and the files the manifest lists (nothing else).
+for ``MANIFEST.json``, ``MANIFEST.sig``, ``MANIFEST.relay-sig`` and the files the manifest lists
+(nothing else).
+
+Workers in another data center go through a ``WeightsRelay`` near them (origin -> relay ->
+worker, or a chain origin -> relay -> relay -> worker; ``relay`` command, or ``rl relay``): it holds ``relay_key(secret)`` only, signs its requests to the origin
+and checks the requests of its workers with keys derived from it, checks each step it receives
+(``MANIFEST.relay-sig``, which the origin makes with a key derived from the relay key, then every
+digest) before keeping it, and serves it on with the origin's ``MANIFEST.sig``, which the workers
+check as from the origin. ``RemoteWeights(relays=...)`` tries the relays in order, then the origin.
 
 An inference server uses it through ``inference/weight_updates.py``: given a ``RemoteWeights``,
 its ``/update_weights`` fetches the step the orchestrator names into its own root before loading
@@ -41,6 +49,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from prime_composer.integrity import MANIFEST_NAME
 from prime_composer.io import atomic_write_bytes, atomic_write_text
@@ -55,7 +64,9 @@ STABLE_MARKER = "STABLE"
 fetching import no torch (a download sidecar needs none)."""
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 AUDIENCE = "weights"
+RELAY_AUDIENCE = "weights-relay"
 SIGNATURE_NAME = "MANIFEST.sig"
+RELAY_SIGNATURE_NAME = "MANIFEST.relay-sig"
 MAX_MANIFEST_BYTES = 1 << 20
 _CHUNK = 1 << 20
 _PATH = re.compile(r"^/step_(?P<step>\d{1,12})/(?P<name>[A-Za-z0-9_.-]{1,128}(?:/[A-Za-z0-9_.-]{1,128})*)$")
@@ -93,13 +104,31 @@ def manifest_tag(key: bytes, step: int, manifest: bytes) -> str:
     return hmac.new(key, f"step {step}\n".encode() + manifest, hashlib.sha256).hexdigest()
 
 
+def relay_key(secret: bytes) -> bytes:
+    """What a weights relay holds (``python -m prime_composer.transport.remote relay-key``): HKDF
+    being one-way, it cannot give back the secret, ``request_key`` or ``manifest_key``."""
+    return hkdf_sha256(secret, b"prime-composer weights relay v1")
+
+
+def relay_request_key(key: bytes) -> bytes:
+    """Signs the requests of a hop that involves a relay (worker -> relay, relay -> origin)."""
+    return hkdf_sha256(key, b"prime-composer weights relay requests v1")
+
+
+def relay_manifest_key(key: bytes) -> bytes:
+    """Tags a manifest for the relay hop (``MANIFEST.relay-sig``): lets a relay check what it
+    receives before it keeps or serves it on. A relay can make this tag, never ``MANIFEST.sig``."""
+    return hkdf_sha256(key, b"prime-composer weights relay manifest v1")
+
+
 # ------------------------------------------------------------------------------------- origin
 
 
 class _Handler(BaseHTTPRequestHandler):
     root: Path
-    verifier: Verifier
+    verifiers: tuple[Verifier, ...]
     key: bytes
+    relay_key: bytes
     timeout = 30.0
 
     def setup(self) -> None:
@@ -122,23 +151,49 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             shutil.copyfileobj(f, self.wfile, _CHUNK)
 
+    def _authentic(self) -> bool:
+        """Whether the request is signed by one of ``verifiers`` (a 401 sent otherwise)."""
+        header = self.headers.get(AUTH_HEADER)
+        reasons = []
+        for verifier in self.verifiers:
+            reason = verifier.check("GET", self.path, b"", header)
+            if reason is None:
+                return True
+            reasons.append(reason)
+        # the reason of a verifier whose key signed it (an audience, a replay) says more than the others'
+        signed = [r for r in reasons if not r.startswith("bad request signature")]
+        self._reply(401, (signed or reasons)[0].encode())
+        return False
+
+    def _latest(self) -> bytes:
+        newest = latest_stable(self.root)
+        return json.dumps({"step": None if newest is None else newest[0]}).encode()
+
+    def _prepare(self, step: int) -> None:
+        """Make step ``step`` available under ``root`` (the origin has it or not; a relay fetches it)."""
+
+    def _signature(self, directory: Path, step: int, manifest: bytes) -> bytes:
+        return manifest_tag(self.key, step, manifest).encode()
+
     def do_GET(self) -> None:
         if self.path == "/health":
             self._reply(200, b"ok")
             return
-        reason = self.verifier.check("GET", self.path, b"", self.headers.get(AUTH_HEADER))
-        if reason is not None:
-            self._reply(401, reason.encode())
+        if not self._authentic():
             return
-        if self.path == "/latest":
-            newest = latest_stable(self.root)
-            self._reply(200, json.dumps({"step": None if newest is None else newest[0]}).encode())
+        try:
+            if self.path == "/latest":
+                self._reply(200, self._latest())
+                return
+            match = _PATH.match(self.path)
+            if match is None or ".." in match["name"].split("/"):
+                self._reply(404, b"no such path")
+                return
+            step, name = int(match["step"]), match["name"]
+            self._prepare(step)
+        except RemoteWeightsError as e:  # a relay whose upstream failed or sent what does not verify
+            self._reply(502, str(e).encode())
             return
-        match = _PATH.match(self.path)
-        if match is None or ".." in match["name"].split("/"):
-            self._reply(404, b"no such path")
-            return
-        step, name = int(match["step"]), match["name"]
         directory = step_path(self.root, step)
         try:
             if not (directory / STABLE_MARKER).is_file():
@@ -148,7 +203,9 @@ class _Handler(BaseHTTPRequestHandler):
             if name == MANIFEST_NAME:
                 self._reply(200, manifest)
             elif name == SIGNATURE_NAME:
-                self._reply(200, manifest_tag(self.key, step, manifest).encode())
+                self._reply(200, self._signature(directory, step, manifest))
+            elif name == RELAY_SIGNATURE_NAME:
+                self._reply(200, manifest_tag(relay_manifest_key(self.relay_key), step, manifest).encode())
             elif name in json.loads(manifest)["files"]:
                 self._send_file(directory / name)
             else:
@@ -157,7 +214,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(404, b"step is gone")
 
     def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("weights origin %s: " + format, self.address_string(), *args)
+        logger.debug("weights server %s: " + format, self.address_string(), *args)
 
 
 class WeightsOrigin:
@@ -175,8 +232,13 @@ class WeightsOrigin:
     ) -> None:
         attrs = {
             "root": Path(root),
-            "verifier": Verifier(request_key(secret), AUDIENCE, window_s),
+            # the workers' requests, and those of the relays of the run (``WeightsRelay``)
+            "verifiers": (
+                Verifier(request_key(secret), AUDIENCE, window_s),
+                Verifier(relay_request_key(relay_key(secret)), AUDIENCE, window_s),
+            ),
             "key": manifest_key(secret),
+            "relay_key": relay_key(secret),
         }
         handler = type("Handler", (_Handler,), attrs)
         self._serving = ServerThread(host, port, handler, tls=tls, name="weights-origin")
@@ -251,43 +313,60 @@ def latest_step(url: str, fingerprint: str | None, secret: bytes, timeout_s: flo
 
 @dataclass(frozen=True)
 class RemoteWeights:
-    """Where an inference server fetches published steps from: the trainer side's origin."""
+    """Where an inference server fetches published steps from: the relays near it, in order, then
+    the trainer side's origin. A source that does not answer or sends anything that does not
+    verify is logged and the next one is tried; ``RemoteWeightsError`` naming each failure when
+    none delivers. Each source gets ``timeout_s``."""
 
     url: str
     fingerprint: str | None
     secret: bytes = field(repr=False)
     timeout_s: float = 300.0
+    relays: tuple[tuple[str, str | None], ...] = ()
+    """``(url, fingerprint)`` of each ``WeightsRelay`` to try before the origin."""
 
     def fetch(self, step: int, root: Path) -> Path:
-        return fetch_step(self.url, self.fingerprint, self.secret, step, root, self.timeout_s)
+        failures = []
+        for url, fingerprint in self.relays:
+            try:
+                return fetch_step(url, fingerprint, self.secret, step, root, self.timeout_s, via_relay=True)
+            except RemoteWeightsError as e:
+                logger.warning("step %d from relay %s failed (%s); trying the next source", step, url, e)
+                failures.append(f"relay {e}")
+        try:
+            return fetch_step(self.url, self.fingerprint, self.secret, step, root, self.timeout_s)
+        except RemoteWeightsError as e:
+            if not failures:
+                raise
+            raise RemoteWeightsError("; ".join([*failures, f"origin {e}"])) from None
 
     def latest(self) -> int | None:
         return latest_step(self.url, self.fingerprint, self.secret)
 
 
-def fetch_step(
-    url: str,
-    fingerprint: str | None,
-    secret: bytes,
+def _verified_step(
+    peer: Peer,
     step: int,
     root: Path,
-    timeout_s: float = 300.0,
-    max_bytes: int = 64 << 30,
+    deadline: float,
+    max_bytes: int,
+    tag_name: str,
+    tag_key: bytes,
+    keep: tuple[str, ...] = (),
 ) -> Path:
-    """Download step ``step`` into ``root/step_<step>/`` (see the module docstring) and return it.
-
-    The whole download shares one deadline and at most ``max_bytes``. ``RemoteWeightsError`` if
-    the origin does not answer, the manifest's tag or a file's digest does not match, or a file
-    is over its listed size; then nothing is left under ``root``."""
-    peer = _peer(url, fingerprint, secret)
-    deadline = time.monotonic() + timeout_s
+    """Step ``step`` from ``peer`` into ``root/step_<step>/``: the manifest's tag ``tag_name``
+    checked with ``tag_key`` first, then every listed file capped at its size and checked against
+    its digest; the files named in ``keep`` are stored as received (a relay keeps the end-to-end
+    ``MANIFEST.sig`` it cannot make). Written in a hidden directory, renamed in, then ``STABLE``."""
+    url = peer.url
     manifest = _get(peer, f"step_{step}/{MANIFEST_NAME}", deadline, MAX_MANIFEST_BYTES)
-    tag = _get(peer, f"step_{step}/{SIGNATURE_NAME}", deadline, 64).decode("ascii", "replace")
-    if not hmac.compare_digest(tag, manifest_tag(manifest_key(secret), step, manifest)):
+    tag = _get(peer, f"step_{step}/{tag_name}", deadline, 64).decode("ascii", "replace")
+    if not hmac.compare_digest(tag, manifest_tag(tag_key, step, manifest)):
         raise RemoteWeightsError(
             f"{url}: the manifest of step {step} is not signed with the run's secret (altered on the way, "
             "another run, or another step served in its place)"
         )
+    kept = {name: _get(peer, f"step_{step}/{name}", deadline, 64) for name in keep}
     try:
         files = json.loads(manifest)["files"]
         entries = {str(n): (int(e["bytes"]), str(e["sha256"])) for n, e in files.items()}
@@ -300,9 +379,11 @@ def fetch_step(
     tmp = Path(tempfile.mkdtemp(prefix=f".fetch-step_{step}-", dir=root))
     try:
         for name, (size, digest) in entries.items():
-            if not _PATH.match(f"/step_{step}/{name}") or ".." in name.split("/"):
+            if not _PATH.match(f"/step_{step}/{name}") or ".." in name.split("/") or name in kept:
                 raise RemoteWeightsError(f"{url}: the manifest of step {step} lists a bad name {name!r}")
             _download(peer, f"step_{step}/{name}", deadline, size, digest, tmp / name)
+        for name, data in kept.items():
+            atomic_write_bytes(tmp / name, data)
         atomic_write_bytes(tmp / MANIFEST_NAME, manifest)
         target = step_path(root, step)
         if target.exists():
@@ -315,11 +396,164 @@ def fetch_step(
     return target
 
 
+def fetch_step(
+    url: str,
+    fingerprint: str | None,
+    secret: bytes,
+    step: int,
+    root: Path,
+    timeout_s: float = 300.0,
+    max_bytes: int = 64 << 30,
+    *,
+    via_relay: bool = False,
+) -> Path:
+    """Download step ``step`` into ``root/step_<step>/`` (see the module docstring) and return it.
+
+    ``via_relay``: ``url`` is a ``WeightsRelay`` (requests signed with the relay hop's key); what
+    it serves is checked exactly as the origin's (the end-to-end ``MANIFEST.sig``, which a relay
+    cannot make, and every digest). The whole download shares one deadline and at most
+    ``max_bytes``. ``RemoteWeightsError`` if the server does not answer, the manifest's tag or a
+    file's digest does not match, or a file is over its listed size; then nothing is left under
+    ``root``."""
+    if via_relay:
+        peer = Peer(url, RELAY_AUDIENCE, relay_request_key(relay_key(secret)), fingerprint)
+    else:
+        peer = _peer(url, fingerprint, secret)
+    deadline = time.monotonic() + timeout_s
+    return _verified_step(peer, step, root, deadline, max_bytes, SIGNATURE_NAME, manifest_key(secret))
+
+
+# -------------------------------------------------------------------------------------- relay
+
+
+class _RelayHandler(_Handler):
+    relay: WeightsRelay
+
+    def _latest(self) -> bytes:
+        return json.dumps({"step": self.relay.upstream_latest()}).encode()
+
+    def _prepare(self, step: int) -> None:
+        self.relay.ensure(step)
+
+    def _signature(self, directory: Path, step: int, manifest: bytes) -> bytes:
+        return (directory / SIGNATURE_NAME).read_bytes()  # the origin's, as received
+
+
+class WeightsRelay:
+    """A caching relay of published steps near the workers of another data center.
+
+    It serves the origin's routes to workers (requests signed with the relay hop's key, audience
+    ``weights-relay``); the first request for a step fetches the whole step once from the
+    ``upstream`` origin (signed, pinned), checks its ``MANIFEST.relay-sig`` and every file's
+    digest before keeping it under ``root``, and serves it from there on (with the origin's
+    ``MANIFEST.sig`` as received, which the workers check). A step that cannot be fetched or does
+    not verify is a 502 naming why, and nothing of it is kept. Holds ``relay_key(secret)`` only:
+    it cannot sign a manifest that workers accept. Keeps the newest ``keep_steps`` steps.
+    ``upstream_is_relay``: ``upstream`` is another relay, not the origin (relay chains)."""
+
+    def __init__(
+        self,
+        root: Path,
+        host: str,
+        port: int,
+        key: bytes,
+        upstream: str,
+        upstream_fingerprint: str | None,
+        *,
+        tls: ssl.SSLContext | None = None,
+        window_s: float = 120.0,
+        timeout_s: float = 300.0,
+        keep_steps: int = 3,
+        max_bytes: int = 64 << 30,
+        upstream_is_relay: bool = False,
+    ) -> None:
+        self.root = Path(root).resolve()
+        self.key = key
+        # upstream another relay (a chain origin -> relay -> relay -> worker): the same hop key,
+        # addressed to that relay's audience; it serves ``MANIFEST.relay-sig`` as the origin does
+        audience = RELAY_AUDIENCE if upstream_is_relay else AUDIENCE
+        self.upstream = Peer(upstream, audience, relay_request_key(key), upstream_fingerprint)
+        self.timeout_s = timeout_s
+        self.keep_steps = keep_steps
+        self.max_bytes = max_bytes
+        self.upstream_fetches = 0
+        """Steps fetched from upstream (one per step, whatever the number of workers)."""
+        self._locks: dict[int, threading.Lock] = {}
+        self._guard = threading.Lock()
+        attrs = {
+            "root": self.root,
+            "verifiers": (Verifier(relay_request_key(key), RELAY_AUDIENCE, window_s),),
+            "key": b"",
+            "relay_key": key,
+            "relay": self,
+        }
+        handler = type("RelayHandler", (_RelayHandler,), attrs)
+        self._serving = ServerThread(host, port, handler, tls=tls, name="weights-relay")
+
+    @property
+    def port(self) -> int:
+        return self._serving.port
+
+    def upstream_latest(self) -> int | None:
+        data = _get(self.upstream, "latest", time.monotonic() + 10.0, 4096)
+        try:
+            step = json.loads(data)["step"]
+        except (ValueError, KeyError, TypeError):
+            raise RemoteWeightsError(f"{self.upstream.url}/latest: not a step") from None
+        return step if type(step) is int and step >= 0 else None
+
+    def ensure(self, step: int) -> None:
+        """Step ``step`` under ``root``, fetched and verified once (concurrent asks wait for it)."""
+        with self._guard:
+            lock = self._locks.setdefault(step, threading.Lock())
+        with lock:
+            if (step_path(self.root, step) / STABLE_MARKER).is_file():
+                return
+            _verified_step(
+                self.upstream,
+                step,
+                self.root,
+                time.monotonic() + self.timeout_s,
+                self.max_bytes,
+                RELAY_SIGNATURE_NAME,
+                relay_manifest_key(self.key),
+                keep=(SIGNATURE_NAME,),
+            )
+            self.upstream_fetches += 1
+            logger.info("weights relay: step %d fetched from %s", step, self.upstream.url)
+        self._prune(step)
+
+    def _prune(self, asked: int) -> None:
+        """Drop the oldest steps beyond ``keep_steps``, never ``asked`` (about to be served)."""
+        with self._guard:
+            steps = sorted(
+                (int(m.group(1)), p)
+                for p in self.root.iterdir()
+                if (m := _STEP_DIR.match(p.name)) and int(m.group(1)) != asked
+            )
+            for step, path in steps[: max(0, len(steps) + 1 - self.keep_steps)]:
+                shutil.rmtree(path, ignore_errors=True)
+                self._locks.pop(step, None)
+
+    def close(self) -> None:
+        self._serving.close()
+
+
 # -------------------------------------------------------------------------------------- command
 
 
+def url_and_pin(value: str) -> tuple[str, str | None]:
+    """``https://host:port@sha256:<fp>`` (or ``http://host:port``) as ``(url, normalized pin)``:
+    the form of ``inference.weights_origin``, ``weights_relays`` and this command's URLs."""
+    from prime_composer.config.diloco import normalize_fingerprint
+
+    url, _, pin = value.partition("@")
+    return url, normalize_fingerprint(pin) if pin else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``serve`` the trainer side's ``broadcasts/``, or ``fetch`` one step (or the newest) as a worker."""
+    """``serve`` the trainer side's ``broadcasts/``, ``relay`` it near the workers of another data
+    center, print a relay's ``relay-key``, or ``fetch`` one step (or the newest) as a worker."""
     import argparse
     import signal
     import sys
@@ -332,11 +566,6 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the published steps under --root (the trainer side)")
     serve.add_argument("--root", type=Path, required=True, help="the trainer's <output_dir>/broadcasts")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=0, help="0 (the default): a free port, printed once ready")
-    serve.add_argument("--tls-cert", type=Path)
-    serve.add_argument("--tls-key", type=Path)
-    serve.add_argument("--private-network", action="store_true", help="allow plain HTTP off loopback")
     fetch = sub.add_parser("fetch", help="download one step into --root (the worker side)")
     fetch.add_argument("--url", required=True, help="https://host:port of the trainer side")
     fetch.add_argument(
@@ -344,17 +573,46 @@ def main(argv: list[str] | None = None) -> int:
     )
     fetch.add_argument("--root", type=Path, required=True, help="the worker's own broadcasts root")
     fetch.add_argument("--step", type=int, help="the step (default: the newest)")
-    for p in (serve, fetch):
+    fetch.add_argument(
+        "--relay",
+        action="append",
+        default=[],
+        help="https://host:port@sha256:<fp> of a weights relay to try first (repeatable, in order)",
+    )
+    relay = sub.add_parser("relay", help="relay the origin's steps to the workers of another data center")
+    relay.add_argument("--upstream", required=True, help="the origin: https://host:port@sha256:<fp>")
+    relay.add_argument("--root", type=Path, required=True, help="the relay's cache of steps")
+    relay.add_argument("--keep-steps", type=int, default=3, help="newest steps kept in the cache")
+    relay.add_argument(
+        "--upstream-relay", action="store_true", help="--upstream is another relay (a chain), not the origin"
+    )
+    relay.add_argument(
+        "--key-env", required=True, help="environment variable holding the relay key (from `relay-key`)"
+    )
+    key = sub.add_parser("relay-key", help="print the key a relay holds (derived from the secret)")
+    for p in (serve, relay):
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, default=0, help="0 (the default): a free port, printed once ready")
+        p.add_argument("--tls-cert", type=Path)
+        p.add_argument("--tls-key", type=Path)
+        p.add_argument("--private-network", action="store_true", help="allow plain HTTP off loopback")
+    for p in (serve, fetch, key):
         p.add_argument("--secret-env", required=True, help="environment variable holding the shared secret")
     args = parser.parse_args(argv)
-    secret = os.environ.get(args.secret_env, "").encode()
+    env_name = args.key_env if args.command == "relay" else args.secret_env
+    secret = os.environ.get(env_name, "").encode()
     if not secret:
-        print(f"--secret-env {args.secret_env}: that environment variable is unset or empty", file=sys.stderr)
+        flag = "--key-env" if args.command == "relay" else "--secret-env"
+        print(f"{flag} {env_name}: that environment variable is unset or empty", file=sys.stderr)
         return 2
+    if args.command == "relay-key":
+        print(relay_key(secret).hex())
+        return 0
     if args.command == "fetch":
         try:
             fingerprint = None if args.fingerprint is None else normalize_fingerprint(args.fingerprint)
-            source = RemoteWeights(args.url, fingerprint, secret)
+            relays = tuple(url_and_pin(r) for r in args.relay)
+            source = RemoteWeights(args.url, fingerprint, secret, relays=relays)
             step = args.step if args.step is not None else source.latest()
             if step is None:
                 print(f"{args.url} serves no step yet", file=sys.stderr)
@@ -375,9 +633,43 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(str(e), file=sys.stderr)
         return 2
-    server = WeightsOrigin(args.root, args.host, args.port, secret, tls=tls)
+    server: WeightsOrigin | WeightsRelay
+    if args.command == "relay":
+        try:
+            key_bytes = bytes.fromhex(secret.decode())
+            upstream, upstream_pin = url_and_pin(args.upstream)
+        except ValueError as e:
+            print(
+                f"relay: {e} (--key-env holds the hex of `relay-key`; --upstream URL@sha256:<fp>)",
+                file=sys.stderr,
+            )
+            return 2
+        if len(key_bytes) != 32:
+            print("relay: --key-env must hold the 64 hex digits `relay-key` prints", file=sys.stderr)
+            return 2
+        parts = urlsplit(upstream)
+        if parts.scheme == "https" and upstream_pin is None:
+            print(f"--upstream {upstream}: pin the origin's certificate (@sha256:<fp>)", file=sys.stderr)
+            return 2
+        if parts.scheme == "http" and not is_loopback(parts.hostname or "") and not args.private_network:
+            print(f"--upstream {upstream}: plain HTTP off loopback needs --private-network", file=sys.stderr)
+            return 2
+        server = WeightsRelay(
+            args.root,
+            args.host,
+            args.port,
+            key_bytes,
+            upstream,
+            upstream_pin,
+            tls=tls,
+            keep_steps=args.keep_steps,
+            upstream_is_relay=args.upstream_relay,
+        )
+    else:
+        server = WeightsOrigin(args.root, args.host, args.port, secret, tls=tls)
     pin = f" fingerprint {fingerprint_of_pem(args.tls_cert)}" if args.tls_cert is not None else ""
-    print(f"weights origin ready on {args.host}:{server.port}{pin}", flush=True)
+    role = "relay" if args.command == "relay" else "origin"
+    print(f"weights {role} ready on {args.host}:{server.port}{pin}", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -87,15 +87,18 @@ def generate(out: Path, name: str = "diloco", days: int = 825, hosts: tuple[str,
     return fingerprint_of_der(cert.public_bytes(serialization.Encoding.DER))
 
 
-def server_context(cert: Path, key: Path) -> ssl.SSLContext:
-    """The origin's TLS context (TLS 1.2+); ``ValueError`` naming the files if they do not load."""
+def server_context(
+    cert: Path, key: Path, keys: tuple[str, str] = ("diloco.tls_cert", "diloco.tls_key")
+) -> ssl.SSLContext:
+    """The origin's TLS context (TLS 1.2+); ``ValueError`` naming the files (as the config
+    ``keys`` that gave them) if they do not load."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
         ctx.load_cert_chain(str(cert), str(key))
     except (OSError, ssl.SSLError) as e:
         raise ValueError(
-            f"diloco.tls_cert = {str(cert)!r} / diloco.tls_key = {str(key)!r} do not load ({e}); "
+            f"{keys[0]} = {str(cert)!r} / {keys[1]} = {str(key)!r} do not load ({e}); "
             "generate them with `python -m prime_composer.wire.tls --out DIR`"
         ) from None
     return ctx

@@ -18,6 +18,11 @@ class HFBackend:
 
     def check(self, config: InferenceConfig) -> None:
         resolve_admin_secret(config.host, config.secret_env)
+        if config.vllm.data_parallel_size > 1:  # not silently one engine
+            raise ValueError(
+                f"inference.vllm.data_parallel_size = {config.vllm.data_parallel_size} is vLLM's data "
+                "parallelism; set inference.backend = 'vllm', or run copies with inference.num_replicas"
+            )
 
     def serve(self, config: InferenceConfig) -> None:
         from prime_composer.inference.hf.server import serve

@@ -109,15 +109,15 @@ def _remote(config: InferenceConfig) -> Any:
     """The ``RemoteWeights`` of ``inference.weights_origin``, or None (a shared folder)."""
     if config.weights_origin is None:
         return None
-    from prime_composer.config.diloco import normalize_fingerprint
-    from prime_composer.transport.remote import RemoteWeights
+    from prime_composer.transport.remote import RemoteWeights, url_and_pin
 
     assert config.weights_secret_env is not None  # the config's validator
     secret = os.environ.get(config.weights_secret_env, "")
     if not secret:
         raise ValueError(f"inference.weights_secret_env = {config.weights_secret_env!r} is unset or empty")
-    url, _, pin = config.weights_origin.partition("@")
-    return RemoteWeights(url, normalize_fingerprint(pin) if pin else None, secret.encode())
+    url, pin = url_and_pin(config.weights_origin)
+    relays = tuple(url_and_pin(r) for r in config.weights_relays)
+    return RemoteWeights(url, pin, secret.encode(), relays=relays)
 
 
 def create_app(
@@ -277,11 +277,23 @@ def serve(config: InferenceConfig) -> None:
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tls: dict[str, Any] = {}
+    if config.tls_cert is not None:
+        from prime_composer.wire.tls import fingerprint_of_pem, server_context
+
+        server_context(
+            config.tls_cert, config.tls_key or config.tls_cert, ("inference.tls_cert", "inference.tls_key")
+        )
+        tls = {"ssl_certfile": str(config.tls_cert), "ssl_keyfile": str(config.tls_key)}
+        logger.info("TLS certificate %s", fingerprint_of_pem(config.tls_cert))
     app = build_app(config)
     if config.secret_env:
         # The variable's name only; its value is never logged.
         logger.info("every route but /health requires the secret in $%s", config.secret_env)
+    scheme = "https" if tls else "http"
     logger.info(
-        "serving %s on http://%s:%d (pid %d)", config.model.name, config.host, config.port, os.getpid()
+        "serving %s on %s://%s:%d (pid %d)", config.model.name, scheme, config.host, config.port, os.getpid()
     )
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_keep_alive=KEEP_ALIVE_S)
+    uvicorn.run(
+        app, host=config.host, port=config.port, log_level="info", timeout_keep_alive=KEEP_ALIVE_S, **tls
+    )

@@ -13,7 +13,10 @@ paths itself and passes every other request, streaming included, to vLLM untouch
   every completion comes from one set of weights, as with the ``hf`` backend), run
   ``WeightUpdateExtension.prime_composer_load_weights`` on every worker via
   ``engine_client.collective_rpc`` (it refuses non-finite or truncated weights before touching
-  the model), drop the prefix cache (its KV blocks were computed with the old weights), resume;
+  the model), drop the prefix cache (its KV blocks were computed with the old weights), resume.
+  With ``--data-parallel-size`` > 1 each of these calls reaches every engine, and the workers'
+  answers are gathered from all of them (``every_worker``), so the update is answered once every
+  engine serves the step;
 - ``POST /update_weights`` naming a LoRA step (``transport/adapter.py``, vLLM started with
   ``--enable-lora``): vLLM's own adapter loading (``OpenAIServingModels.load_lora_adapter``, what
   its ``/v1/load_lora_adapter`` route runs, without that route's development-only switch) loads it
@@ -47,7 +50,8 @@ runs before vLLM's routing, so these paths win over vLLM's own routes of the sam
 Settings come from the launcher through the environment variable ``PRIME_COMPOSER_VLLM_ADMIN``
 (JSON: ``broadcast_root``, ``secret_env``, ``served_model_name``, ``max_request_bytes``,
 ``private_network``, ``audience``, ``weights_origin``: then each step ``/update_weights`` names is
-fetched from the trainer side's weights origin and verified first, as on the ``hf`` backend); the
+fetched from the weights relays listed with it, in order, then the trainer side's weights origin,
+and verified first, as on the ``hf`` backend); the
 secret itself is read from the variable named by ``secret_env``, never passed on a command line.
 The launcher imports this module too (for those settings), so torch is only imported where a
 route needs it.
@@ -96,10 +100,11 @@ def admin_settings(
     *,
     private_network: bool = False,
     audience: str | None = None,
-    weights_origin: dict[str, str | None] | None = None,
+    weights_origin: dict[str, Any] | None = None,
 ) -> str:
     """The value of ``PRIME_COMPOSER_VLLM_ADMIN`` the launcher sets for vLLM's process
-    (``weights_origin``: ``{"url", "fingerprint", "secret_env"}`` of ``inference.weights_origin``)."""
+    (``weights_origin``: ``{"url", "fingerprint", "secret_env", "relays"}`` of
+    ``inference.weights_origin`` and ``inference.weights_relays``, each relay ``[url, fingerprint]``)."""
     return json.dumps(
         {
             "weights_origin": weights_origin,
@@ -122,7 +127,8 @@ def _remote(origin: dict[str, Any] | None) -> Any:
     secret = os.environ.get(origin["secret_env"] or "", "")
     if not secret:
         raise ValueError(f"inference.weights_secret_env = {origin['secret_env']!r} is unset or empty")
-    return RemoteWeights(origin["url"], origin["fingerprint"], secret.encode())
+    relays = tuple((str(url), None if pin is None else str(pin)) for url, pin in origin.get("relays") or ())
+    return RemoteWeights(origin["url"], origin["fingerprint"], secret.encode(), relays=relays)
 
 
 class AdminRoutesMiddleware:
@@ -301,11 +307,10 @@ class AdminRoutesMiddleware:
             await engine.pause_generation(mode="wait")
             try:
                 try:
-                    results = await engine.collective_rpc(method, args=args)
+                    results = await every_worker(engine, method, args)
                 except Exception as e:
                     logger.exception("%s failed", method)
                     raise APIError(500, f"{method} failed in the vLLM workers: {e}") from e
-                results = list(results or ())
                 refusals = [r["refused"] for r in results if isinstance(r, dict) and r.get("refused")]
                 if refusals and len(refusals) < len(results):  # the files changed under the load
                     raise APIError(
@@ -319,6 +324,22 @@ class AdminRoutesMiddleware:
                 await engine.reset_prefix_cache()
             finally:
                 await engine.resume_generation()
+
+
+async def every_worker(engine: Any, method: str, args: tuple[Any, ...]) -> list[Any]:
+    """Run ``method`` on every worker of every data-parallel engine; one result per worker.
+
+    ``collective_rpc`` reaches every engine with ``--data-parallel-size`` > 1 too (vLLM's
+    data-parallel client sends each utility call to all of them), but returns the first engine's
+    results only (vLLM 0.32, ``DPLBAsyncMPClient.call_utility_async``), so a refusal by another
+    engine would go unseen. The engine core client's ``call_utility_all_async`` returns each
+    engine's; without it (another vLLM, a test double) ``collective_rpc``'s list is all there is.
+    """
+    call_all = getattr(getattr(engine, "engine_core", None), "call_utility_all_async", None)
+    if call_all is None:
+        return list(await engine.collective_rpc(method, args=args) or ())
+    per_engine = await call_all("collective_rpc", method, None, args, None)
+    return [result for results in per_engine for result in (results or ())]
 
 
 class _VLLMWeights:

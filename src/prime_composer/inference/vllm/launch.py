@@ -10,6 +10,12 @@ up) with:
 - ``--logprobs-mode processed_logprobs``: returned logprobs are those of the distribution
   actually sampled from (after temperature, top-k/top-p), which is what the trainer compares
   against; vLLM's default returns the raw model logprobs;
+- ``--data-parallel-size N`` for ``inference.vllm.data_parallel_size > 1``: N engine processes
+  behind this one API server, each a whole model (on ``tensor_parallel_size`` GPUs of the
+  ``CUDA_VISIBLE_DEVICES`` the launcher gives the server); vLLM spreads requests over them (its
+  ``X-data-parallel-rank`` request header pins one), and the admin routes' pause, weight load and
+  cache reset reach every engine (``admin``). The module entry point runs one API server process
+  whatever ``--api-server-count`` says, which the admin routes need: they keep the served step;
 - ``--generation-config vllm``: request defaults are vLLM's (= OpenAI's, temperature 1, top_p 1),
   not the model's ``generation_config.json``, which would otherwise silently change how
   requests that leave a knob unset are sampled (Qwen3 ships top_k=20, top_p=0.95);
@@ -22,7 +28,10 @@ up) with:
   (``prime_composer.tool_calls`` names vLLM's parser of the same format): tool calls come back in
   ``message.tool_calls``. With ``required`` or a named function vLLM constrains decoding to the
   parser's call format (xgrammar structural tags), a stronger guarantee than the ``hf`` backend's
-  forced opening; with ``"none"`` neither flag is passed and vLLM refuses ``tool_choice = "auto"``.
+  forced opening; with ``"none"`` neither flag is passed and vLLM refuses ``tool_choice = "auto"``;
+- ``--ssl-certfile / --ssl-keyfile`` for ``inference.tls_cert`` / ``tls_key``: HTTPS (clients pin
+  the certificate, ``orchestrator.inference_tls_fingerprint``); the start-up wait polls
+  ``https://.../health`` trusting that certificate only.
 
 The child imports ``prime_composer`` (extension, middleware) from the same source tree as this
 process: when that tree is a plain directory (a checkout, not site-packages), it is put first on
@@ -43,11 +52,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import ssl
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import prime_composer
 from prime_composer.config.inference import InferenceConfig
@@ -80,6 +91,10 @@ _RESERVED_OPTIONS = {
     "--max-model-len": "inference.max_model_len",
     "--tensor-parallel-size": "inference.vllm.tensor_parallel_size",
     "-tp": "inference.vllm.tensor_parallel_size",
+    "--data-parallel-size": "inference.vllm.data_parallel_size",
+    "-dp": "inference.vllm.data_parallel_size",
+    "--api-server-count": "(one API server process: the admin routes keep the served step in it)",
+    "-asc": "(one API server process: the admin routes keep the served step in it)",
     "--gpu-memory-utilization": "inference.vllm.gpu_memory_utilization",
     "--enforce-eager": "inference.vllm.enforce_eager",
     "--worker-extension-cls": "(set by the backend: it provides the weight updates)",
@@ -92,6 +107,8 @@ _RESERVED_OPTIONS = {
     "--max-lora-rank": "trainer.model.lora.rank",
     "--max-loras": "(set by the backend: one adapter, the trainer's newest, is served)",
     "--tool-call-parser": "inference.tool_call_parser",
+    "--ssl-certfile": "inference.tls_cert",
+    "--ssl-keyfile": "inference.tls_key",
 }
 
 
@@ -165,6 +182,8 @@ def build_vllm_command(config: InferenceConfig, model_dir: str) -> list[str]:
         "--generation-config",
         "vllm",
     ]
+    if config.vllm.data_parallel_size > 1:
+        command += ["--data-parallel-size", str(config.vllm.data_parallel_size)]
     if model.revision is not None:
         command += ["--revision", model.revision]
     if model.trust_remote_code:
@@ -180,6 +199,8 @@ def build_vllm_command(config: InferenceConfig, model_dir: str) -> list[str]:
     tool_parser = vllm_tool_parser(config)
     if tool_parser is not None:
         command += ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
+    if config.tls_cert is not None and config.tls_key is not None:  # HTTPS (uvicorn's TLS, in vLLM)
+        command += ["--ssl-certfile", str(config.tls_cert), "--ssl-keyfile", str(config.tls_key)]
     if config.vllm.max_lora_rank is not None:
         rank = vllm_lora_rank(config.vllm.max_lora_rank)
         command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
@@ -205,18 +226,16 @@ def vllm_lora_rank(rank: int) -> int:
     )
 
 
-def _weights_origin(config: InferenceConfig) -> dict[str, str | None] | None:
-    """``inference.weights_origin`` for the admin routes: URL, normalized pin, the secret's variable."""
+def _weights_origin(config: InferenceConfig) -> dict[str, Any] | None:
+    """``inference.weights_origin`` for the admin routes: URL, normalized pin, the secret's
+    variable, and ``inference.weights_relays`` as ``[url, pin]`` pairs."""
     if config.weights_origin is None:
         return None
-    from prime_composer.config.diloco import normalize_fingerprint
+    from prime_composer.transport.remote import url_and_pin
 
-    url, _, pin = config.weights_origin.partition("@")
-    return {
-        "url": url,
-        "fingerprint": normalize_fingerprint(pin) if pin else None,
-        "secret_env": config.weights_secret_env,
-    }
+    url, pin = url_and_pin(config.weights_origin)
+    relays = [list(url_and_pin(relay)) for relay in config.weights_relays]
+    return {"url": url, "fingerprint": pin, "secret_env": config.weights_secret_env, "relays": relays}
 
 
 def build_vllm_env(config: InferenceConfig, base_env: dict[str, str] | None = None) -> dict[str, str]:
@@ -310,6 +329,11 @@ def _wait_until_healthy(
     config: InferenceConfig, child: subprocess.Popen[bytes], stopping: Callable[[], bool]
 ) -> None:
     url = f"{client_url(config.host, config.port)}/health"
+    context = None
+    if config.tls_cert is not None:  # our own certificate: trusted as is, whatever names it lists
+        url = url.replace("http://", "https://", 1)
+        context = ssl.create_default_context(cafile=str(config.tls_cert))
+        context.check_hostname = False
 
     def give_up() -> str | None:
         if stopping():
@@ -318,7 +342,12 @@ def _wait_until_healthy(
         return None if code is None else f"vLLM exited with code {code} while starting (see its log above)"
 
     waited = wait_healthy(
-        url, config.vllm.startup_timeout_s, poll_s=1.0, request_timeout_s=5.0, give_up=give_up
+        url,
+        config.vllm.startup_timeout_s,
+        poll_s=1.0,
+        request_timeout_s=5.0,
+        give_up=give_up,
+        context=context,
     )
     if waited.healthy:
         logger.info("vLLM ready in %.0f s: %s", waited.elapsed_s, waited.body.decode(errors="replace"))

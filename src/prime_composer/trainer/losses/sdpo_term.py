@@ -7,7 +7,8 @@ SDPO target tokens; per micro-batch it
 
 1. runs the teacher forward on the micro-batch's teacher rows (``transport.groups.SDPOGroup``, no
    grad) *before* the student forward, so the teacher's activations are freed before the
-   student's are alive, and keeps only the ``[N, V]`` logits at the target tokens;
+   student's are alive, and keeps only the ``[N, V]`` logits at the target tokens (on one
+   process, short rows run trimmed of their trailing padding: ``_target_logits``);
 2. asks the student forward for its logits at ``student_mask`` (the k-th True of ``student_mask``
    and the k-th True of ``teacher_target_mask`` are the same token);
 3. returns ``sdpo_loss_rows`` normalized by the step's global number of SDPO tokens.
@@ -82,7 +83,38 @@ class SDPOTerm(LossTerm):
                 group.teacher_position_ids,
                 group.teacher_target_mask,
             )
-        self._teacher_logits = self.teacher.target_logits(ids, positions, mask, mb.temperature)
+        self._teacher_logits = self._target_logits(ids, positions, mask, mb.temperature)
+
+    def _target_logits(self, ids: Tensor, positions: Tensor, mask: Tensor, temperature: float) -> Tensor:
+        """The teacher's ``[N, V]`` target logits, skipping the padding at the end of short rows.
+
+        Teacher rows are ``seq_len`` wide, and next-fit packing leaves the last one (and any row the
+        next sequence did not fit) partly padding: a row's content ends at its last target token.
+        On one process, rows whose content fills at most half of the longest row's forward on their
+        own, trimmed to their longest content; the rest keep one batch at that width. Rows do not
+        see each other and a row's content does not see its trailing padding (causal attention), so
+        each target's logits are the same computation. Under ``torch.distributed`` every rank must
+        run the same number of forwards (FSDP all-gathers per forward): one forward, untrimmed.
+        """
+        if dist.is_available() and dist.is_initialized():
+            return self.teacher.target_logits(ids, positions, mask, temperature)
+        lengths = mask.shape[1] - mask.flip(1).int().argmax(1)  # last target + 1; rows have one
+        width = int(lengths.max())
+        short = lengths <= width // 2
+        if not bool(short.any()) or bool(short.all()):
+            w = width
+            return self.teacher.target_logits(ids[:, :w], positions[:, :w], mask[:, :w], temperature)
+        parts: list[Tensor | None] = [None] * ids.shape[0]
+        for group in (~short, short):
+            rows = group.nonzero().view(-1)
+            w = int(lengths[rows].max())
+            logits = self.teacher.target_logits(
+                ids[rows, :w], positions[rows, :w], mask[rows, :w], temperature
+            )
+            counts = mask[rows, :w].sum(1).tolist()
+            for row, part in zip(rows.tolist(), logits.split(counts), strict=True):
+                parts[row] = part
+        return torch.cat([p for p in parts if p is not None])
 
     def loss(self, index: int, mb: MicroBatch, out: ForwardOutput) -> tuple[Tensor, dict[str, Tensor]]:
         """The micro-batch's share of the SDPO loss (not yet multiplied by the weight).
