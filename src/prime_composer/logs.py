@@ -15,8 +15,9 @@ def setup_logging(process: str, level: str | None = None) -> logging.Logger:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # Libraries that log every request or file at INFO drown the run's own lines.
-    for noisy in ("httpx", "httpcore", "uvicorn.access", "filelock", "urllib3"):
+    # Libraries that log every request or file at INFO drown the run's own lines (httpx2 and
+    # httpcore2: the fork the mcp SDK's HTTP client uses).
+    for noisy in ("httpx", "httpcore", "httpx2", "httpcore2", "uvicorn.access", "filelock", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -514,3 +514,137 @@ def test_a_space_is_its_https_url_without_any_call(tokenizer_path) -> None:
     (task,) = loaded.tasks("train")  # type: ignore[arg-type]
     assert task.url == "https://openenv-echo-env.hf.space"
     assert task.data.source == "openenv/echo_env"
+
+
+# -- a private Space: the token of token_env, over https only --------------------------------
+
+TOKEN = "hf_" + os.urandom(12).hex()
+
+
+def _behind_token(inner: Any, seen: list[tuple[str, str, str]]) -> Any:
+    """``inner`` answering only requests with ``Authorization: Bearer TOKEN`` (HTTP 401, or a
+    refused WebSocket handshake, otherwise); ``seen`` gets (kind, path, header) of each request."""
+
+    async def guarded(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            header = dict(scope["headers"]).get(b"authorization", b"").decode()
+            seen.append((scope["type"], scope["path"], header))
+            if header != f"Bearer {TOKEN}":
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                else:
+                    await send({"type": "http.response.start", "status": 401, "headers": []})
+                    await send({"type": "http.response.body", "body": b"unauthorized"})
+                return
+        await inner(scope, receive, send)
+
+    return guarded
+
+
+@pytest.fixture(scope="module")
+def private_space(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, Path, list[tuple[str, str, str]]]]:
+    """The guess game standing in for a private Space: https on 127.0.0.1 with a self-signed
+    certificate (its ``cert.pem`` is what clients must trust), behind ``TOKEN``. Yields the URL,
+    the certificate and the log of requests."""
+    import threading
+
+    import uvicorn
+    from openenv_envs import guess_app
+
+    from prime_composer.wire.tls import generate
+
+    folder = tmp_path_factory.mktemp("space-tls")
+    generate(folder, "space-stand-in", hosts=("127.0.0.1",))
+    seen: list[tuple[str, str, str]] = []
+    port = free_port("127.0.0.1")
+    server = uvicorn.Server(
+        uvicorn.Config(
+            _behind_token(guess_app, seen),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            ssl_certfile=str(folder / "cert.pem"),
+            ssl_keyfile=str(folder / "key.pem"),
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the https stand-in did not start"
+        time.sleep(0.05)
+    yield f"https://127.0.0.1:{port}", folder / "cert.pem", seen
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_a_private_space_gets_the_token_over_https_and_nowhere_else(
+    policy, private_space, tokenizer_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stand-in's URL is injected where a Space's would be (``url``: the same code path once
+    the Space's URL is known). With the token, /schema and every episode's WebSocket carry it and
+    the episode plays; with a wrong one the episode is an error sample that names neither."""
+    url, cert, seen = private_space
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # httpx and websockets trust the stand-in's certificate
+    monkeypatch.setenv("PC_TEST_SPACE_TOKEN", TOKEN)
+    entry = EnvConfig(
+        openenv={"url": url, "token_env": "PC_TEST_SPACE_TOKEN", "resets": [{"seed": 1}]},
+        agent=_agent(tokenizer_path),
+    )
+    loaded = envs.load_env(entry, 0)
+    caplog.set_level("DEBUG")
+    (sample,) = play(loaded, policy[1], "guess", [0])  # target b: a, then b
+    assert sample.error is None and sample.reward == 1.0, sample.error
+    kinds = {(kind, path) for kind, path, _ in seen}
+    assert ("http", "/schema") in kinds and ("websocket", "/ws") in kinds, seen
+    assert {header for _, _, header in seen} == {f"Bearer {TOKEN}"}
+    # The token is in no config the entry made, no task, no sample and no log line.
+    dumps = [
+        entry.model_dump_json(),
+        json.dumps([t.data.model_dump(mode="json") for t in loaded.tasks("train")]),  # type: ignore[arg-type]
+        json.dumps(sample.episode.messages),
+        caplog.text,
+    ]
+    assert all(TOKEN not in text for text in dumps) and "PC_TEST_SPACE_TOKEN" in dumps[0]
+    assert "> Authorization: <hidden>" in caplog.text  # websockets logs the handshake at DEBUG
+
+    seen.clear()
+    wrong = "hf_wrong_" + TOKEN[::-1]
+    monkeypatch.setenv("PC_TEST_SPACE_TOKEN", wrong)
+    from prime_composer.orchestrator import openenv_env
+
+    openenv_env._schemas.clear()  # asked once per server and process: ask it again
+    (refused,) = play(loaded, policy[1], "guess", [0])
+    assert refused.error is not None and "401" in refused.error, refused.error
+    assert wrong not in refused.error and TOKEN not in refused.error and wrong not in caplog.text
+    assert seen == [("http", "/schema", f"Bearer {wrong}")]
+
+
+def test_token_env_is_refused_over_plain_http_and_for_local_servers(tokenizer_path, monkeypatch) -> None:
+    with pytest.raises(ValueError, match=r"token_env: http://127.0.0.1:1 is plain http"):
+        OpenEnvConfig(url="http://127.0.0.1:1", token_env="HF_TOKEN")
+    with pytest.raises(ValueError, match="name of an environment variable"):
+        OpenEnvConfig(space="me/env", token_env="hf_abc def")
+    with pytest.raises(ValueError, match=r"serves openenv\.app itself"):
+        OpenEnvConfig(app="openenv_envs:guess_app", token_env="HF_TOKEN")
+    # A Space's URL is https by construction; loading it needs the variable set (no call is made).
+    monkeypatch.delenv("PC_TEST_SPACE_TOKEN", raising=False)
+    entry = EnvConfig(
+        openenv={"space": "me/private_env", "token_env": "PC_TEST_SPACE_TOKEN"}, agent=_agent(tokenizer_path)
+    )
+    with pytest.raises(ValueError, match=r"openenv.token_env = 'PC_TEST_SPACE_TOKEN'.*not set"):
+        envs.load_env(entry, 0)
+    monkeypatch.setenv("PC_TEST_SPACE_TOKEN", TOKEN)
+    (task,) = envs.load_env(entry, 0).tasks("train")  # type: ignore[arg-type]
+    assert (
+        task.url == "https://me-private-env.hf.space"
+        and task.source_config.token_env == "PC_TEST_SPACE_TOKEN"
+    )
+    # The last check before a token leaves: no header for a plain-http URL, whatever the config said.
+    from prime_composer.orchestrator.openenv_env import OpenEnvError, auth_headers
+
+    with pytest.raises(OpenEnvError, match="only sent over https"):
+        auth_headers(task.source_config.model_copy(), "http://127.0.0.1:1")
+    assert auth_headers(task.source_config, task.url) == {"Authorization": f"Bearer {TOKEN}"}

@@ -205,6 +205,14 @@ class OpenEnvConfig(BaseConfig):
     """A Hugging Face Space that serves an OpenEnv environment (``owner/name``): its server is
     ``https://owner-name.hf.space`` (lower case, ``_`` and ``.`` as ``-``), used like a ``url``."""
 
+    token_env: str | None = None
+    """The environment variable holding a token for a private server (``HF_TOKEN``: a Hugging
+    Face token that can read a private ``space``). It is sent as ``Authorization: Bearer <token>``
+    with every request of the entry (``/schema`` and each episode's WebSocket), only over https to
+    the entry's own host (the Space's, or an ``https://`` ``url``'s); plain http is refused, and
+    redirects to another host do not carry it. Read when the orchestrator loads the entry and at
+    each episode; only the variable's name is in configs, never its value, nor in any log."""
+
     resets: list[dict[str, Any]] = Field(default_factory=_one_plain_reset, min_length=1)
     """One task per entry: the keyword arguments of its ``reset`` (e.g. ``{seed = 3}``)."""
 
@@ -248,7 +256,28 @@ class OpenEnvConfig(BaseConfig):
             raise ValueError(
                 f"openenv.app must be 'module:attribute' (e.g. 'my_env.server:app'), got {self.app!r}"
             )
+        if self.token_env is not None:
+            self._check_token_env()
         return self
+
+    def _check_token_env(self) -> None:
+        name = self.token_env
+        if name is None or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(
+                f"openenv.token_env = {name!r}: give the name of an environment variable that holds the "
+                "token (e.g. 'HF_TOKEN'); the token itself never goes in a config"
+            )
+        if self.app is not None or self.image is not None:
+            raise ValueError(
+                f"openenv.token_env is for a remote server (space, or an https url); the orchestrator "
+                f"serves openenv.{'app' if self.app is not None else 'image'} itself on loopback, with no "
+                "token: remove token_env"
+            )
+        if self.url is not None and not self.url.startswith("https://"):
+            raise ValueError(
+                f"openenv.token_env: {self.url} is plain http, so the token would cross the network in "
+                "the clear; use the server's https:// URL"
+            )
 
     @property
     def space_url(self) -> str | None:

@@ -30,6 +30,8 @@ With ``app`` the orchestrator serves the environment package itself (``serve_app
 free port of 127.0.0.1, started once per process when the entry loads and stopped with it. With
 ``image`` it runs the container image with docker or podman (``openenv_container.py``), with
 ``space`` it talks to the Hugging Face Space's ``https://owner-name.hf.space`` as to a ``url``.
+A private Space (or any https server behind a bearer token) gets the token of the variable
+``token_env`` names in an ``Authorization`` header (``auth_headers``), over https only.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -106,11 +109,13 @@ class OpenEnvSession:
         """Connect, read the schema (and the tools of an MCP environment) and reset."""
         from openenv import GenericEnvClient
 
-        action_schema = await _action_schema(url, source.connect_timeout_s)
+        headers = auth_headers(source, url)
+        action_schema = await _action_schema(url, source.connect_timeout_s, headers)
         client = GenericEnvClient(
             base_url=url,
             connect_timeout_s=source.connect_timeout_s,
             message_timeout_s=source.step_timeout_s,
+            headers=headers,
         )
         session = cls(client, action_schema, None)
         try:
@@ -204,15 +209,50 @@ class OpenEnvSession:
             await self._client.close()
 
 
+def auth_headers(source: OpenEnvConfig, url: str) -> dict[str, str] | None:
+    """The ``Authorization`` header of ``source.token_env`` for ``url`` (``None`` without one).
+
+    Only for an ``https://`` URL (the config refuses plain http too; this is the last check before
+    a token leaves). httpx follows no redirect here, and websockets drops ``Authorization`` on a
+    redirect to another origin, so the token reaches the entry's own host only. The value is read
+    from the environment at each call and appears in no message."""
+    if source.token_env is None:
+        return None
+    if not url.startswith("https://"):
+        raise OpenEnvError(f"openenv server {url}: token_env is set, and a token is only sent over https")
+    token = os.environ.get(source.token_env, "").strip()
+    if not token:
+        raise OpenEnvError(
+            f"openenv server {url}: openenv.token_env names {source.token_env}, which is not set in the "
+            "orchestrator's environment"
+        )
+    websockets_log = logging.getLogger("websockets.client")
+    if not any(isinstance(f, _HideCredentials) for f in websockets_log.filters):
+        websockets_log.addFilter(_HideCredentials())
+    return {"Authorization": f"Bearer {token}"}
+
+
+class _HideCredentials(logging.Filter):
+    """websockets logs every handshake header at DEBUG (``> %s: %s``): the credentials' values are
+    replaced before the record is written."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        header = args[0] if record.msg == "> %s: %s" and isinstance(args, tuple) and len(args) == 2 else None
+        if str(header).lower() in ("authorization", "cookie", "proxy-authorization"):
+            record.args = (header, "<hidden>")
+        return True
+
+
 _schemas: dict[str, dict[str, Any]] = {}
 
 
-async def _action_schema(url: str, timeout_s: float) -> dict[str, Any]:
+async def _action_schema(url: str, timeout_s: float, headers: dict[str, str] | None = None) -> dict[str, Any]:
     """The action's JSON schema from the server's ``/schema``, asked once per server and process
     (a new HTTP client per episode cost ~0.1 s, most of an episode's own time)."""
     if url not in _schemas:
         try:
-            async with httpx.AsyncClient(timeout=timeout_s) as http:
+            async with httpx.AsyncClient(timeout=timeout_s, headers=headers, follow_redirects=False) as http:
                 response = await http.get(f"{url.rstrip('/')}/schema")
                 response.raise_for_status()
                 schema = response.json()["action"]
@@ -381,6 +421,8 @@ class OpenEnvTaskConfig(vf.TasksetConfig):
     describe_action: bool = True
     connect_timeout_s: float = 30.0
     step_timeout_s: float = 60.0
+    token_env: str | None = None
+    """The variable's name only (the token is read at each episode, never kept in a config)."""
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
 
 
@@ -455,6 +497,7 @@ class OpenEnvTaskset(vf.Taskset[OpenEnvTask, OpenEnvTaskConfig]):
             describe_action=config.describe_action,
             connect_timeout_s=config.connect_timeout_s,
             step_timeout_s=config.step_timeout_s,
+            token_env=config.token_env,
         )
         tasks = []
         for idx, reset in enumerate(config.resets):
@@ -493,7 +536,12 @@ def taskset_fields(entry: EnvConfig, agent: AgentLoopConfig, where: str) -> dict
         url = serve_app(source, where)
     else:
         url = source.url or source.space_url or ""
-    kept = {"resets", "system_prompt", "describe_action", "connect_timeout_s", "step_timeout_s"}
+    if source.token_env is not None and not os.environ.get(source.token_env, "").strip():
+        raise ValueError(
+            f"{where}: openenv.token_env = {source.token_env!r}, and that variable is not set in the "
+            f"orchestrator's environment; export {source.token_env} (a token that can read {source.source})"
+        )
+    kept = {"resets", "system_prompt", "describe_action", "connect_timeout_s", "step_timeout_s", "token_env"}
     return {
         **source.model_dump(include=kept),
         "url": url,
