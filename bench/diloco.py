@@ -19,9 +19,10 @@
    dc-1 reaches only a relay in a fourth namespace, which forwards to the relay dc-0 uses and
    fetches through it (each dc-1 payload crosses three links). Next to the payload
    bytes a DC publishes per inner step, the table gives the bytes its interface really sent and
-   received (``/proc/net/dev`` in its namespace: headers, TLS records, polling, commits).
+   received (``/proc/net/dev`` in its namespace: headers, TLS records, polling, commits), and what
+   the relays sent in all (their namespaces' counters: the chain's extra hop shows there).
 
-Needs root for the namespaces (run under the heavy lock; ~3 minutes):
+Needs root for the namespaces (run under the heavy lock; ~18 minutes on 2 loaded cores):
 
     flock /tmp/prime-composer-heavy.lock uv run python bench/diloco.py
 
@@ -212,7 +213,7 @@ def run_dcs(net: NetSim, root: Path, args: argparse.Namespace, tau: int, mode: s
     relays = [_start_relay(net, root, 2)] if mode in ("relay", "chain") else []
     if mode == "chain":
         relays.append(_start_relay(net, root, 3, upstream=2))
-    before = [_counters(net.prefix(i), "eth0") for i in range(2)]
+    before = [_counters(net.prefix(i), "eth0") for i in range(4)]
     common = ["--steps", str(args.steps), "--width", str(args.width), "--depth", str(args.depth)]
     common += ["--batch", str(args.batch)]  # no --compute-s: every inner step is real compute
     procs = [
@@ -237,13 +238,19 @@ def run_dcs(net: NetSim, root: Path, args: argparse.Namespace, tau: int, mode: s
         for relay in relays:
             relay.terminate()
             relay.wait(timeout=10)
-    after = [_counters(net.prefix(i), "eth0") for i in range(2)]
+    after = [_counters(net.prefix(i), "eth0") for i in range(4)]
+    relay_tx = sum(after[i][1] - before[i][1] for i in (2, 3))  # what the relays sent, all links
     out = []
-    for log, b, a in zip(logs, before, after, strict=True):
+    for log, b, a in zip(logs, before, after, strict=False):
         rounds = [r for r in log if "round" in r]
         out.append(
             log[-1]
-            | {"tx_bytes": a[1] - b[1], "rx_bytes": a[0] - b[0], "round_s": [r["round_s"] for r in rounds]}
+            | {
+                "tx_bytes": a[1] - b[1],
+                "rx_bytes": a[0] - b[0],
+                "round_s": [r["round_s"] for r in rounds],
+                "relays_tx_bytes": relay_tx,
+            }
         )
     digests = {o["global_digest"] for o in out}
     assert len(digests) == 1, "the two DCs ended with different global weights"
@@ -295,9 +302,9 @@ def main() -> None:
         runs = [r for r in runs if r[1] in args.modes]
         print(
             "| link | tau | measured step s | compute s | wall s | utilisation | mean round s | "
-            "payload kB/step | wire tx kB/step | wire rx kB/step | wire / payload |"
+            "payload kB/step | wire tx kB/step | wire rx kB/step | wire / payload | relays tx kB/step |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         with tempfile.TemporaryDirectory(prefix="bench-diloco-") as tmp:
             for tau, mode in runs:
                 args.steps = args.cycles * h + tau  # ends right after an applied sync
@@ -308,10 +315,12 @@ def main() -> None:
                 sync = sum(sum(d["round_s"]) / len(d["round_s"]) for d in done) / len(done)
                 tx = sum(d["tx_bytes"] for d in done) / len(done) / args.steps
                 rx = sum(d["rx_bytes"] for d in done) / len(done) / args.steps
+                relays = done[0]["relays_tx_bytes"] / args.steps
                 print(
                     f"| {mode} | {tau} | {step_s:.4f} | {sum(d['compute_s'] for d in done) / 2:.1f} | "
                     f"{sum(d['wall_s'] for d in done) / 2:.1f} | {util:.3f} | {sync:.2f} | "
-                    f"{payload_per_step / 1e3:.1f} | {tx / 1e3:.1f} | {rx / 1e3:.1f} | {tx / payload_per_step:.2f} |",
+                    f"{payload_per_step / 1e3:.1f} | {tx / 1e3:.1f} | {rx / 1e3:.1f} | {tx / payload_per_step:.2f} | "
+                    f"{relays / 1e3 if mode in ('relay', 'chain') else 0:.1f} |",
                     flush=True,
                 )
                 print(
