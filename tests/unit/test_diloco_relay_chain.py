@@ -2,7 +2,8 @@
 behind one relay and a DC behind another exchange payloads both ways, what each relay holds is
 the sealed blob its sender made (byte for byte, no payload in the clear), a downstream relay that
 pins another certificate sends its upstream nothing, and two relays set as each other's upstream
-answer in bounded time (the hop count stops the loop)."""
+answer in bounded time (the hop count stops the loop), and an upstream that never answers costs
+one listing its time limit, not every listing."""
 
 from __future__ import annotations
 
@@ -149,3 +150,33 @@ def test_a_diloco_relay_config_takes_a_pinned_upstream_relay(tmp_path: Path) -> 
     assert RelayConfig(**base, upstream="http://10.0.0.5:7800", private_network=True).upstream  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="always a relay"):
         RelayConfig(**base, upstream=f"10.0.0.5:7800@{fp}", upstream_is_relay=True)  # type: ignore[arg-type]
+
+
+def test_an_upstream_that_never_answers_costs_one_listing_its_time_limit(tmp_path: Path) -> None:
+    import socket
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts connections, never answers
+    near = RelayServer(
+        "127.0.0.1",
+        0,
+        relay_key(SECRET),
+        tmp_path / "near",
+        upstream=(f"http://127.0.0.1:{silent.getsockname()[1]}", None),
+        upstream_timeout_s=1.5,
+    )
+    client = RelayClient(f"http://127.0.0.1:{near.port}", None, SECRET)
+    try:
+        assert client.publish("dc-1", "grad", 0, PAYLOAD, 10)
+        own = near.state.blobs["dc-1"][("grad", 0)].sha256
+        started = time.monotonic()
+        assert client.listing("dc-1", 10) == {("grad", 0): own}  # its own entries, after the wait
+        first = time.monotonic() - started
+        started = time.monotonic()
+        assert client.listing("dc-1", 10) == {("grad", 0): own}
+        assert client.fetch("dc-9", "grad", 0, 10, 1 << 20) is None
+        again = time.monotonic() - started
+        assert first >= 1.4 and again < 1.0, (first, again)
+        assert near.upstream is not None and near.upstream.errors["skipped_down"] == 2
+    finally:
+        near.close()
+        silent.close()

@@ -301,7 +301,10 @@ class _Upstream:
     forwarded there by one background thread (the newest first per slot, each try bounded by
     ``timeout_s``, a failed one retried until ``timeout_s`` after it came), and what this relay
     lacks is listed and fetched there, each call bounded by ``timeout_s``. Failures are counted in
-    ``errors`` and cost only the answer's completeness."""
+    ``errors`` and cost only the answer's completeness: after a listing or fetch that found the
+    upstream unreachable (no connection, or no answer in time), the next ``timeout_s`` of
+    listings and fetches answer from this relay's own store at once, so an upstream that is down
+    does not make every answer to this relay's own DCs wait for it."""
 
     def __init__(self, url: str, fingerprint: str | None, key: bytes, timeout_s: float) -> None:
         import queue
@@ -310,6 +313,7 @@ class _Upstream:
         self.timeout_s = timeout_s
         self.errors: dict[str, int] = {}
         self.forwarded = 0
+        self._down_until = 0.0
         self._queue: queue.Queue[tuple[str, str, int, bytes, int, float] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._forwarding, name="diloco-relay-upstream", daemon=True)
         self._thread.start()
@@ -328,10 +332,19 @@ class _Upstream:
             return None
         return data
 
+    def _ask(self, path: str, max_bytes: int) -> bytes | None:
+        """A GET for a reader of this relay: skipped while the upstream is taken as down."""
+        if time.monotonic() < self._down_until:
+            self.errors["skipped_down"] = self.errors.get("skipped_down", 0) + 1
+            return None
+        before = self.errors.get("connect", 0) + self.errors.get("deadline", 0)
+        data = self._call("GET", path, time.monotonic() + self.timeout_s, max_bytes)
+        if self.errors.get("connect", 0) + self.errors.get("deadline", 0) > before:
+            self._down_until = time.monotonic() + self.timeout_s
+        return data
+
     def listing(self, cluster: str, hop: int) -> list[list[Any]]:
-        data = self._call(
-            "GET", f"v1/{cluster}?hop={hop}", time.monotonic() + self.timeout_s, MAX_LISTING_BYTES
-        )
+        data = self._ask(f"v1/{cluster}?hop={hop}", MAX_LISTING_BYTES)
         try:
             rows = json.loads(data) if data is not None else []
             return [[str(k), int(r), str(d), int(n)] for k, r, d, n in rows if k in KINDS]
@@ -340,8 +353,7 @@ class _Upstream:
             return []
 
     def fetch(self, cluster: str, kind: str, round_: int, hop: int, max_bytes: int) -> bytes | None:
-        deadline = time.monotonic() + self.timeout_s
-        return self._call("GET", f"v1/{cluster}/{kind}/{round_}?hop={hop}", deadline, max_bytes)
+        return self._ask(f"v1/{cluster}/{kind}/{round_}?hop={hop}", max_bytes)
 
     def forward(self, cluster: str, kind: str, round_: int, blob: bytes, hop: int) -> None:
         self._queue.put((cluster, kind, round_, blob, hop, time.monotonic() + self.timeout_s))
