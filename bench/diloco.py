@@ -12,19 +12,23 @@
    thread), timed by the DC itself: utilisation = measured compute time / wall time, from the
    first step to the last, and the table prints the measured step time it divides by. The
    exchange shares the CPU with that compute (quantization, TLS, hashing), as it would on a host.
-   Four runs: plain HTTP (``private_network``) without overlap (tau = 0) and with it (tau = 8),
-   pinned TLS between the origins (tau = 8), and the relay in a third namespace (tau = 8): dc-1
+   Five runs: plain HTTP (``private_network``) without overlap (tau = 0) and with it (tau = 8),
+   pinned TLS between the origins (tau = 8), the relay in a third namespace (tau = 8): dc-1
    has no reachable origin, publishes its payloads to the relay and fetches dc-0's origin
-   directly; dc-0 fetches dc-1's payloads from the relay. Next to the payload
+   directly; dc-0 fetches dc-1's payloads from the relay; and a chain of two relays (tau = 8):
+   dc-1 reaches only a relay in a fourth namespace, which forwards to the relay dc-0 uses and
+   fetches through it (each dc-1 payload crosses three links). Next to the payload
    bytes a DC publishes per inner step, the table gives the bytes its interface really sent and
-   received (``/proc/net/dev`` in its namespace: headers, TLS records, polling, commits).
+   received (``/proc/net/dev`` in its namespace: headers, TLS records, polling, commits), and what
+   the relays sent in all (their namespaces' counters: the chain's extra hop shows there).
 
-Needs root for the namespaces (run under the heavy lock; ~3 minutes):
+Needs root for the namespaces (run under the heavy lock; ~18 minutes on 2 loaded cores):
 
     flock /tmp/prime-composer-heavy.lock uv run python bench/diloco.py
 
-Last line: ``bytes_reduction=X utilization=Y utilization_tls=Z utilization_relay=W`` (X for int4;
-Y, Z, W with overlap over plain HTTP, TLS and the relay).
+Last line: ``bytes_reduction=X utilization=Y utilization_tls=Z utilization_relay=W
+utilization_chain=V`` (X for int4; Y, Z, W, V with overlap over plain HTTP, TLS, the relay and the
+chain of two relays).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from prime_composer.diloco.payload import encode, grad_body  # noqa: E402
 from prime_composer.diloco.quantize import quantize  # noqa: E402
 from prime_composer.diloco.relay import relay_key  # noqa: E402
 from prime_composer.diloco.toy import make_model, read_log, spawn  # noqa: E402
-from prime_composer.wire.tls import generate  # noqa: E402
+from prime_composer.wire.tls import fingerprint_of_pem, generate  # noqa: E402
 
 SECRET_ENV = "DILOCO_BENCH_SECRET"
 
@@ -127,14 +131,15 @@ def payload_bytes(delta: torch.Tensor, quantization: str, block_size: int = 128)
     return len(encode(header, body, b"secret"))
 
 
-MODES = ("http", "tls", "relay")
+MODES = ("http", "tls", "relay", "chain")
 """How the DCs reach each other: plain HTTP on a private network, pinned TLS between their
-origins, or pinned TLS through the relay (``diloco/relay.py``, in a third namespace), which every
-payload then crosses twice (up from its sender, down to its reader)."""
+origins, pinned TLS through the relay (``diloco/relay.py``, in a third namespace), which every
+payload then crosses twice (up from its sender, down to its reader), or through two chained relays
+(the second in a fourth namespace, dc-1's only way out)."""
 
 
 def _configs(net: NetSim, root: Path, args: argparse.Namespace, tau: int, mode: str) -> list[DilocoConfig]:
-    pins = [generate(root / f"tls-{i}", f"dc-{i}") for i in range(3)] if mode != "http" else []
+    pins = [generate(root / f"tls-{i}", f"dc-{i}") for i in range(4)] if mode != "http" else []
     configs = []
     for i in range(2):
         other = 1 - i
@@ -153,14 +158,15 @@ def _configs(net: NetSim, root: Path, args: argparse.Namespace, tau: int, mode: 
             )
             if i == 1:
                 peer["fingerprint"] = pins[0]
-            fields["relay"] = f"{net.address(2)}:7800@{pins[2]}"
-        if mode == "tls" or (mode == "relay" and i == 0):
+            near = 3 if mode == "chain" and i == 1 else 2  # the chain: dc-1 reaches only relay 3
+            fields["relay"] = f"{net.address(near)}:7800@{pins[near]}"
+        if mode == "tls" or (mode in ("relay", "chain") and i == 0):
             fields |= {"tls_cert": root / f"tls-{i}" / "cert.pem", "tls_key": root / f"tls-{i}" / "key.pem"}
         configs.append(
             DilocoConfig(
                 enabled=True,
                 cluster_id=f"dc-{i}",
-                host=net.address(i) if mode != "relay" or i == 0 else "127.0.0.1",
+                host=net.address(i) if mode in ("http", "tls") or i == 0 else "127.0.0.1",
                 port=7801,
                 peers=[peer],  # type: ignore[list-item]
                 secret_env=SECRET_ENV,
@@ -177,36 +183,25 @@ def _configs(net: NetSim, root: Path, args: argparse.Namespace, tau: int, mode: 
     return configs
 
 
-def _start_relay(net: NetSim, root: Path) -> subprocess.Popen[bytes]:
-    log = open(root / "relay.log", "wb")  # noqa: SIM115 - the child owns it
+def _start_relay(net: NetSim, root: Path, i: int, upstream: int | None = None) -> subprocess.Popen[bytes]:
+    """``rl relay`` (kind ``diloco``) in namespace ``i``, behind the relay of namespace ``upstream``."""
+    log_path = root / f"relay-{i}.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - the child owns it
+    tls = root / f"tls-{i}"
+    command = [*net.prefix(i), sys.executable, "-m", "prime_composer.launch.relay", "--kind", "diloco"]
+    command += ["--host", net.address(i), "--port", "7800", "--key-env", "RELAY_KEY"]
+    command += ["--tls-cert", str(tls / "cert.pem"), "--tls-key", str(tls / "key.pem")]
+    command += ["--dir", str(root / f"relay-store-{i}")]
+    if upstream is not None:
+        pin = fingerprint_of_pem(root / f"tls-{upstream}" / "cert.pem")
+        command += ["--upstream", f"{net.address(upstream)}:7800@{pin}"]
     relay = subprocess.Popen(
-        [
-            *net.prefix(2),
-            sys.executable,
-            "-m",
-            "prime_composer.diloco.relay",
-            "serve",
-            "--host",
-            net.address(2),
-            "--port",
-            "7800",
-            "--tls-cert",
-            str(root / "tls-2" / "cert.pem"),
-            "--tls-key",
-            str(root / "tls-2" / "key.pem"),
-            "--key-env",
-            "RELAY_KEY",
-            "--dir",
-            str(root / "relay-store"),
-        ],
-        env={**os.environ, "RELAY_KEY": relay_key(b"bench").hex()},
-        stdout=log,
-        stderr=log,
+        command, env={**os.environ, "RELAY_KEY": relay_key(b"bench").hex()}, stdout=log, stderr=log
     )
     until = time.monotonic() + 60
-    while b"relay ready" not in (root / "relay.log").read_bytes():
+    while b"relay ready" not in log_path.read_bytes():
         if relay.poll() is not None or time.monotonic() > until:
-            raise RuntimeError(f"the relay did not start: {(root / 'relay.log').read_text()}")
+            raise RuntimeError(f"the relay did not start: {log_path.read_text()}")
         time.sleep(0.1)
     return relay
 
@@ -215,8 +210,10 @@ def run_dcs(net: NetSim, root: Path, args: argparse.Namespace, tau: int, mode: s
     """Two toy DCs in their namespaces; their ``done`` records plus interface byte counters."""
     root.mkdir(parents=True)
     configs = _configs(net, root, args, tau, mode)
-    relay = _start_relay(net, root) if mode == "relay" else None
-    before = [_counters(net.prefix(i), "eth0") for i in range(2)]
+    relays = [_start_relay(net, root, 2)] if mode in ("relay", "chain") else []
+    if mode == "chain":
+        relays.append(_start_relay(net, root, 3, upstream=2))
+    before = [_counters(net.prefix(i), "eth0") for i in range(4)]
     common = ["--steps", str(args.steps), "--width", str(args.width), "--depth", str(args.depth)]
     common += ["--batch", str(args.batch)]  # no --compute-s: every inner step is real compute
     procs = [
@@ -238,16 +235,22 @@ def run_dcs(net: NetSim, root: Path, args: argparse.Namespace, tau: int, mode: s
         (root / "STOP").touch()
         for p in procs:
             p.wait(timeout=30)
-        if relay is not None:
+        for relay in relays:
             relay.terminate()
             relay.wait(timeout=10)
-    after = [_counters(net.prefix(i), "eth0") for i in range(2)]
+    after = [_counters(net.prefix(i), "eth0") for i in range(4)]
+    relay_tx = sum(after[i][1] - before[i][1] for i in (2, 3))  # what the relays sent, all links
     out = []
-    for log, b, a in zip(logs, before, after, strict=True):
+    for log, b, a in zip(logs, before, after, strict=False):
         rounds = [r for r in log if "round" in r]
         out.append(
             log[-1]
-            | {"tx_bytes": a[1] - b[1], "rx_bytes": a[0] - b[0], "round_s": [r["round_s"] for r in rounds]}
+            | {
+                "tx_bytes": a[1] - b[1],
+                "rx_bytes": a[0] - b[0],
+                "round_s": [r["round_s"] for r in rounds],
+                "relays_tx_bytes": relay_tx,
+            }
         )
     digests = {o["global_digest"] for o in out}
     assert len(digests) == 1, "the two DCs ended with different global weights"
@@ -278,7 +281,7 @@ def main() -> None:
         f"model: MLP {args.width} x {args.depth}, {numel / 1e6:.2f}M parameters, fp32 {numel * 4 / 1e6:.1f} MB"
     )
 
-    with NetSim(3, args.rate_mbit) as net:  # the third namespace holds the relay
+    with NetSim(4, args.rate_mbit) as net:  # the third and fourth namespaces hold the relays
         ddp = ddp_bytes_per_step(net, numel)
         print(f"DDP fp32 all-reduce (gloo, 2 ranks, measured): {ddp / 1e6:.2f} MB sent per rank per step")
         delta = pseudo_gradient(args.width, args.depth, h)
@@ -295,13 +298,13 @@ def main() -> None:
         # What a DC publishes per inner step: each fragment's int4 grad once per H steps, plus commits.
         payload_per_step = (payload_bytes(delta, "int4") + args.num_fragments * 600) / h
         utilization = {}
-        runs = [(0, "http"), (args.overlap, "http"), (args.overlap, "tls"), (args.overlap, "relay")]
+        runs = [(0, "http"), *((args.overlap, mode) for mode in MODES)]
         runs = [r for r in runs if r[1] in args.modes]
         print(
             "| link | tau | measured step s | compute s | wall s | utilisation | mean round s | "
-            "payload kB/step | wire tx kB/step | wire rx kB/step | wire / payload |"
+            "payload kB/step | wire tx kB/step | wire rx kB/step | wire / payload | relays tx kB/step |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         with tempfile.TemporaryDirectory(prefix="bench-diloco-") as tmp:
             for tau, mode in runs:
                 args.steps = args.cycles * h + tau  # ends right after an applied sync
@@ -312,10 +315,12 @@ def main() -> None:
                 sync = sum(sum(d["round_s"]) / len(d["round_s"]) for d in done) / len(done)
                 tx = sum(d["tx_bytes"] for d in done) / len(done) / args.steps
                 rx = sum(d["rx_bytes"] for d in done) / len(done) / args.steps
+                relays = done[0]["relays_tx_bytes"] / args.steps
                 print(
                     f"| {mode} | {tau} | {step_s:.4f} | {sum(d['compute_s'] for d in done) / 2:.1f} | "
                     f"{sum(d['wall_s'] for d in done) / 2:.1f} | {util:.3f} | {sync:.2f} | "
-                    f"{payload_per_step / 1e3:.1f} | {tx / 1e3:.1f} | {rx / 1e3:.1f} | {tx / payload_per_step:.2f} |",
+                    f"{payload_per_step / 1e3:.1f} | {tx / 1e3:.1f} | {rx / 1e3:.1f} | {tx / payload_per_step:.2f} | "
+                    f"{relays / 1e3 if mode in ('relay', 'chain') else 0:.1f} |",
                     flush=True,
                 )
                 print(
@@ -334,7 +339,13 @@ def main() -> None:
                     )
     o = args.overlap
     parts = [f"bytes_reduction={reductions['int4']:.0f}"]
-    for mode, name in (("http", "utilization"), ("tls", "utilization_tls"), ("relay", "utilization_relay")):
+    names = {
+        "http": "utilization",
+        "tls": "utilization_tls",
+        "relay": "utilization_relay",
+        "chain": "utilization_chain",
+    }
+    for mode, name in names.items():
         if (o, mode) in utilization:
             parts.append(f"{name}={utilization[(o, mode)]:.3f}")
     print(" ".join(parts))

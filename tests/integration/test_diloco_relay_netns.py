@@ -76,8 +76,9 @@ def test_a_dc_that_accepts_no_connection_trains_through_the_relay(tmp_path: Path
                 *net.prefix(2),
                 sys.executable,
                 "-m",
-                "prime_composer.diloco.relay",
-                "serve",
+                "prime_composer.launch.relay",  # rl relay
+                "--kind",
+                "diloco",
                 "--host",
                 net.address(2),
                 "--port",

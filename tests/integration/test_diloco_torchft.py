@@ -4,11 +4,15 @@ One DC in this process with a lighthouse of ``min_replicas = 1`` (an outer step 
 is still the outer Nesterov step on its own pseudo-gradient). Trained 12 inner steps straight, and
 trained 6, saved, rebuilt (a new manager, a new lighthouse: a restarted process) and loaded, then
 6 more: same global weights, outer momentum and local weights, bit for bit. The old
-``TorchftOuterLoop`` had no ``save``/``load``/``last_metrics``, which the trainer calls.
+``TorchftOuterLoop`` had no ``save``/``load``/``last_metrics``, which the trainer calls. And every
+socket the backend leaves listening (torchft's ManagerServer, TCPStore, checkpoint server, gloo),
+read with ``ss`` rather than the backend's own check, is on ``diloco.host``: torchft 0.2.0 binds
+all interfaces unless made not to.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -97,12 +101,15 @@ def _weights(model: torch.nn.Module) -> torch.Tensor:
 
 @pytest.mark.parametrize("delay", [0, 1])
 def test_torchft_checkpoint_part_resumes_exactly(tmp_path: Path, delay: int) -> None:
+    listening_before = _listening(os.getpid())
     with lighthouse() as address:
         model, opt, outer = _fresh(address, tmp_path, delay)
         try:
             changed = _train(model, opt, outer, range(12))
             assert outer.last_metrics == {"diloco/round": 5.0, "diloco/num_members": 1.0}
             digest, weights = outer.global_digest(), _weights(model)
+            # Every server torchft opened, each used by 6 outer steps, is on diloco.host only.
+            _assert_listens_on_loopback_only(_listening(os.getpid()) - listening_before)
         finally:
             outer.close()
     # One fragment syncs every H/P = 2 inner steps.
@@ -130,6 +137,24 @@ def test_torchft_checkpoint_part_resumes_exactly(tmp_path: Path, delay: int) -> 
             assert torch.equal(_weights(model), weights)
         finally:
             outer.close()
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """``(address, port)`` of the TCP sockets ``pid`` listens on, as ``ss`` (iproute2, which the
+    namespace tests need too) reports them."""
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout.splitlines()
+    found = set()
+    for line in lines:
+        if f"pid={pid}," in line:
+            address, _, port = line.split()[3].rpartition(":")
+            found.add((address.strip("[]"), int(port)))
+    return found
+
+
+def _assert_listens_on_loopback_only(opened: set[tuple[str, int]]) -> None:
+    assert len(opened) >= 2, opened  # at least the ManagerServer and the TCPStore
+    wrong = {(a, p) for a, p in opened if a not in ("127.0.0.1", "::ffff:127.0.0.1")}
+    assert not wrong, f"torchft listens beyond diloco.host = 127.0.0.1: {sorted(wrong)}"
 
 
 def test_every_diloco_backend_literal_is_registered() -> None:

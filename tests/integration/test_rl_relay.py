@@ -43,10 +43,16 @@ def _certs(out: Path) -> str:
     return done.stdout.splitlines()[0]
 
 
-def _start(config: Path, env: dict[str, str], log: Path) -> tuple[subprocess.Popen[str], str]:
-    """``rl relay @ config`` and the value it prints for its clients, once it listens."""
+def _start(
+    config: Path, env: dict[str, str], log: Path, command: list[str] | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    """``rl relay @ config`` (or ``command``) and the value it prints for its clients, once it listens."""
     proc = subprocess.Popen(
-        [*RL, "relay", "@", str(config)], env=env, stdout=subprocess.PIPE, stderr=log.open("w"), text=True
+        command or [*RL, "relay", "@", str(config)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
     )
     assert proc.stdout is not None
     until = time.monotonic() + 60
@@ -149,6 +155,27 @@ def test_a_diloco_relay_starts_from_its_config(tmp_path: Path) -> None:
         assert proc.wait(timeout=30) == 0
 
 
+@pytest.mark.timeout(120)
+def test_the_older_diloco_relay_serve_command_runs_rl_relay(tmp_path: Path) -> None:
+    old = [sys.executable, "-m", "prime_composer.diloco.relay", "serve", "--key-env", "TEST_RELAY_KEY"]
+    old += ["--dir", str(tmp_path / "blobs"), "--max-clusters", "3", "--auth-window-s", "30"]
+    env = {**os.environ, "TEST_RELAY_KEY": "ab" * 32}
+    proc, at = _start(tmp_path, env, tmp_path / "relay.log", old)
+    try:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{at}/health", timeout=10) as reply:
+            assert reply.status == 200
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    assert (tmp_path / "blobs").is_dir()
+    refused = subprocess.run(
+        [*old, "--host", "10.0.0.3", "--dry-run"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 2 and "relay host = '10.0.0.3'" in refused.stderr, refused.stderr
+
+
 def _dry_run(capsys: pytest.CaptureFixture[str], config: Path) -> tuple[int, str, str]:
     code = relay_main(["@", str(config), "--dry-run"])
     out = capsys.readouterr()
@@ -166,7 +193,8 @@ def test_dry_run_refuses_bad_relays_naming_the_key(
         'upstream = "https://10.0.0.1:9"\n': "pin its certificate",
         'upstream = "http://10.0.0.1:9"\n': "plain HTTP off loopback",
         "": "a weights relay needs the origin",
-        'kind = "diloco"\nupstream = "http://127.0.0.1:9"\n': "a diloco relay has no upstream",
+        'kind = "diloco"\nupstream = "http://10.0.0.1:9"\n': "relay upstream = 'http://10.0.0.1:9' is plain HTTP",
+        'kind = "diloco"\nupstream_is_relay = true\n': "always a relay",
     }
     config = tmp_path / "relay.toml"
     for extra, message in cases.items():

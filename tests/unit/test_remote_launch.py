@@ -169,3 +169,107 @@ def test_a_given_certificate_is_served_and_its_pin_written_into_the_worker_confi
         if origin is not None:
             origin.close()
         worker.shutdown()
+
+
+def _tls_health_server(cert: Path, key: Path) -> ThreadingHTTPServer:
+    from prime_composer.wire.tls import server_context
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    server.socket = server_context(cert, key).wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_https_workers_get_a_certificate_rl_makes_and_the_orchestrator_pins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import hashlib
+    import ipaddress
+    import ssl
+
+    from cryptography import x509
+
+    from prime_composer.health import wait_healthy
+    from prime_composer.wire.tls import generate
+
+    monkeypatch.setenv("TEST_WEIGHTS_SECRET", SECRET)
+    values = {
+        "output_dir": tmp_path / "run",
+        "launch": {"remote_inference": True},
+        "inference": {"secret_env": "TEST_INFERENCE_SECRET"},
+        "orchestrator": {"base_url": ["https://10.0.0.7:8000/v1", "https://10.0.0.8:8000/v1"]},
+        "transport": {"weights_origin": {"enabled": True, "secret_env": "TEST_WEIGHTS_SECRET"}},
+    }
+    config = RLConfig.model_validate(values)
+    fingerprint = remote.prepare_worker_tls(config)
+    cert = tmp_path / "run" / remote.WORKER_TLS_DIR / "cert.pem"
+    der = ssl.PEM_cert_to_DER_cert(cert.read_text())
+    assert (
+        fingerprint
+        == config.orchestrator.inference_tls_fingerprint
+        == f"sha256:{hashlib.sha256(der).hexdigest()}"
+    )
+    names = x509.load_der_x509_certificate(der).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName
+    )
+    assert {ipaddress.ip_address("10.0.0.7"), ipaddress.ip_address("10.0.0.8")} <= set(
+        names.value.get_values_for_type(x509.IPAddress)
+    )
+    assert (cert.parent / "key.pem").stat().st_mode & 0o777 == 0o600
+    assert remote.prepare_worker_tls(RLConfig.model_validate(values)) == fingerprint  # kept on a rerun
+
+    monkeypatch.setattr(remote, "wait_for_workers", lambda _: None)  # the workers are not on this host
+    origin = remote.start_weights_origin(config)
+    try:
+        written = json.loads((tmp_path / "run" / "configs" / remote.WORKER_CONFIG).read_text())
+        assert (written["tls_cert"], written["tls_key"]) == (
+            f"{remote.WORKER_TLS_DIR}/cert.pem",
+            f"{remote.WORKER_TLS_DIR}/key.pem",
+        )
+        record = json.loads((tmp_path / "run" / "configs" / remote.ORIGIN_RECORD).read_text())
+        assert record["inference_tls_fingerprint"] == fingerprint
+        assert f"{tmp_path / 'run' / remote.WORKER_TLS_DIR}/ beside it" in capsys.readouterr().out
+    finally:
+        assert origin is not None
+        origin.close()
+
+    # A worker serving that certificate presents exactly the pinned fingerprint, and the start-up
+    # wait accepts it; a worker with another certificate is not taken as up.
+    worker = _tls_health_server(cert, cert.parent / "key.pem")
+    generate(tmp_path / "other", "other")
+    other = _tls_health_server(tmp_path / "other" / "cert.pem", tmp_path / "other" / "key.pem")
+    try:
+        served = ssl.PEM_cert_to_DER_cert(ssl.get_server_certificate(("127.0.0.1", worker.server_address[1])))
+        assert f"sha256:{hashlib.sha256(served).hexdigest()}" == fingerprint
+        context = remote._health_context(config)
+        assert wait_healthy(
+            f"https://127.0.0.1:{worker.server_address[1]}/health", 5, context=context
+        ).healthy
+        assert not wait_healthy(
+            f"https://127.0.0.1:{other.server_address[1]}/health", 0.5, poll_s=0.1, context=context
+        ).healthy
+    finally:
+        worker.shutdown()
+        other.shutdown()
+
+
+def test_rl_makes_no_worker_certificate_when_the_run_names_one(tmp_path: Path) -> None:
+    base = {
+        "output_dir": tmp_path / "run",
+        "launch": {"remote_inference": True},
+        "transport": {"weights_origin": {"enabled": True, "secret_env": "TEST_WEIGHTS_SECRET"}},
+    }
+    pinned = {"base_url": "https://10.0.0.7:8000/v1", "inference_tls_fingerprint": "sha256:" + "ab" * 32}
+    for values in (
+        {**base, "orchestrator": pinned},
+        {
+            **base,
+            "orchestrator": {"base_url": "https://10.0.0.7:8000/v1"},
+            "inference": {"tls_cert": "c.pem", "tls_key": "k.pem"},
+        },
+        {**base, "orchestrator": {"base_url": "http://10.0.0.7:8000/v1", "inference_private_network": True}},
+    ):
+        config = RLConfig.model_validate(values)
+        assert remote.prepare_worker_tls(config) is None
+        assert not (tmp_path / "run" / remote.WORKER_TLS_DIR).exists()
+    assert config.orchestrator.inference_tls_fingerprint is None

@@ -317,7 +317,7 @@ class DilocoConfig(BaseConfig):
     ``http://`` peer URL, or runs ``torchft`` off loopback is refused. Requests are signed either way."""
 
     relay: str | list[str] | None = None
-    """A relay every DC of the run reaches (``python -m prime_composer.diloco.relay serve``), for
+    """A relay every DC of the run reaches (``rl relay @ relay.toml`` with ``kind = "diloco"``), for
     DCs with no inbound port: ``"host:port@sha256:<fingerprint>"`` (HTTPS, its certificate
     pinned) or ``"http://host:port"`` (loopback or ``private_network`` only). Set, this DC
     publishes every payload to it too (sealed: the relay can neither read, forge nor alter one),

@@ -3,14 +3,24 @@
 Every DC of a run with ``diloco.relay`` set publishes each payload to the relay as well as to its
 own origin, and downloads from the relay the payloads of every peer listed without ``urls``. Only
 outbound connections are needed, so a DC behind NAT takes part. Start the relay on a host all DCs
-reach::
+reach with ``rl relay`` (``launch/relay.py``)::
 
-    python -m prime_composer.wire.tls --out relay-tls --name relay --host 203.0.113.7
+    rl certs --out relay-tls --name relay --host 203.0.113.7      # prints the fingerprint
     export DILOCO_RELAY_KEY=$(DILOCO_SECRET=... python -m prime_composer.diloco.relay key --secret-env DILOCO_SECRET)
-    python -m prime_composer.diloco.relay serve --host 0.0.0.0 --port 7800 \\
-        --tls-cert relay-tls/cert.pem --tls-key relay-tls/key.pem --key-env DILOCO_RELAY_KEY --dir /var/lib/diloco-relay
+    rl relay @ relay.toml    # kind = "diloco", key_env = "DILOCO_RELAY_KEY", host, port, dir, tls_cert, tls_key
 
-and give the DCs ``relay = "203.0.113.7:7800@<fingerprint printed by the first command>"``.
+and give the DCs ``relay = "203.0.113.7:7800@<fingerprint>"`` (the line it prints once ready).
+``python -m prime_composer.diloco.relay serve --host ... --key-env ...`` (the older command) is an
+alias: it runs ``rl relay --kind diloco`` with the same flags.
+
+A relay can sit behind another one (``upstream``, a chain: DCs -> relay -> relay <- DCs), for DCs
+that reach only a relay near them: it forwards each blob its DCs publish to the upstream relay (in
+the background, after storing it), and asks the upstream relay for what it does not hold itself
+(listings merged, its own entries first; a fetched blob is kept for the next reader). It signs
+those requests with the same relay key and checks the upstream's pinned certificate; what it
+forwards and caches is the sealed blob as it came, so a chain sees, and can do, nothing more than
+one relay. Requests carry their hop count (``?hop=N``, signed with the path): a relay at
+``MAX_HOPS`` answers from its own store only, so a loop of relays cannot recurse.
 
 What the relay is trusted with, and what not:
 
@@ -49,7 +59,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import ssl
 import sys
 import threading
@@ -76,6 +85,9 @@ MAX_LISTING_BYTES = 1 << 20
 KINDS = ("grad", "commit", "state")
 _CLUSTER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SLOT = re.compile(r"^/v1/(?P<cluster>[^/]+)(?:/(?P<kind>[a-z]+)/(?P<round>\d{1,12}))?$")
+_HOP = re.compile(r"^hop=(\d{1,2})$")
+MAX_HOPS = 4
+"""Relays a request may cross (a chain deeper than this answers from the store it reached)."""
 
 
 def relay_key(secret: bytes) -> bytes:
@@ -188,6 +200,7 @@ class RelayState:
 class _RelayHandler(BaseHTTPRequestHandler):
     verifier: Verifier
     state: RelayState
+    upstream: _Upstream | None
     timeout = 30.0
     protocol_version = "HTTP/1.1"
 
@@ -206,7 +219,13 @@ class _RelayHandler(BaseHTTPRequestHandler):
         self.close_connection = True
 
     def _slot(self) -> tuple[str, str | None, int | None] | None:
-        match = _SLOT.match(self.path)
+        path, _, query = self.path.partition("?")
+        hop = _HOP.match(query)
+        if query and hop is None:
+            self._reply(404, b"the only query is hop=N")
+            return None
+        self.hop = int(hop[1]) if hop else 0
+        match = _SLOT.match(path)
         if match is None or not _CLUSTER.match(match["cluster"]):
             self._reply(404, b"no such path")
             return None
@@ -231,10 +250,21 @@ class _RelayHandler(BaseHTTPRequestHandler):
         if slot is None or not self._authentic(b""):
             return
         cluster, kind, round_ = slot
+        upstream = self.upstream if self.hop < MAX_HOPS else None
         if kind is None or round_ is None:
-            self._reply(200, json.dumps(self.state.listing(cluster)).encode(), "application/json")
+            rows = self.state.listing(cluster)
+            if upstream is not None:
+                held = {(k, r) for k, r, _, _ in rows}
+                rows += [
+                    row for row in upstream.listing(cluster, self.hop + 1) if (row[0], row[1]) not in held
+                ]
+            self._reply(200, json.dumps(sorted(rows)).encode(), "application/json")
             return
         data = self.state.get(cluster, kind, round_)
+        if data is None and upstream is not None:
+            data = upstream.fetch(cluster, kind, round_, self.hop + 1, self.state.max_blob_bytes)
+            if data is not None:
+                self.state.put(cluster, kind, round_, data)  # kept for the next reader here
         self._reply(200, data) if data is not None else self._reply(404, b"not here")
 
     def do_PUT(self) -> None:
@@ -258,15 +288,105 @@ class _RelayHandler(BaseHTTPRequestHandler):
                 self._reply(400, b"short body")
             return
         status, message = self.state.put(cluster, kind, round_, body)
+        if status == 200 and self.upstream is not None and self.hop < MAX_HOPS:
+            self.upstream.forward(cluster, kind, round_, body, self.hop + 1)
         self._reply(status, message.encode(), "text/plain")
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("relay %s: " + format, self.address_string(), *args)
 
 
+class _Upstream:
+    """The relay a chained relay sits behind (see the module docstring): its DCs' blobs are
+    forwarded there by one background thread (the newest first per slot, each try bounded by
+    ``timeout_s``, a failed one retried until ``timeout_s`` after it came), and what this relay
+    lacks is listed and fetched there, each call bounded by ``timeout_s``. Failures are counted in
+    ``errors`` and cost only the answer's completeness: after a listing or fetch that found the
+    upstream unreachable (no connection, or no answer in time), the next ``timeout_s`` of
+    listings and fetches answer from this relay's own store at once, so an upstream that is down
+    does not make every answer to this relay's own DCs wait for it."""
+
+    def __init__(self, url: str, fingerprint: str | None, key: bytes, timeout_s: float) -> None:
+        import queue
+
+        self.peer = Peer(url, AUDIENCE, key, fingerprint)
+        self.timeout_s = timeout_s
+        self.errors: dict[str, int] = {}
+        self.forwarded = 0
+        self._down_until = 0.0
+        self._queue: queue.Queue[tuple[str, str, int, bytes, int, float] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._forwarding, name="diloco-relay-upstream", daemon=True)
+        self._thread.start()
+
+    def _call(
+        self, method: str, path: str, deadline: float, max_bytes: int, body: bytes = b""
+    ) -> bytes | None:
+        try:
+            status, data = request(self.peer, method, path, deadline, max_bytes, body)
+        except TransportError as e:
+            self.errors[e.reason] = self.errors.get(e.reason, 0) + 1
+            (logger.error if e.reason == "pin" else logger.debug)("diloco relay upstream: %s", e)
+            return None
+        if status != 200:
+            self.errors[f"http_{status}"] = self.errors.get(f"http_{status}", 0) + 1
+            return None
+        return data
+
+    def _ask(self, path: str, max_bytes: int) -> bytes | None:
+        """A GET for a reader of this relay: skipped while the upstream is taken as down."""
+        if time.monotonic() < self._down_until:
+            self.errors["skipped_down"] = self.errors.get("skipped_down", 0) + 1
+            return None
+        before = self.errors.get("connect", 0) + self.errors.get("deadline", 0)
+        data = self._call("GET", path, time.monotonic() + self.timeout_s, max_bytes)
+        if self.errors.get("connect", 0) + self.errors.get("deadline", 0) > before:
+            self._down_until = time.monotonic() + self.timeout_s
+        return data
+
+    def listing(self, cluster: str, hop: int) -> list[list[Any]]:
+        data = self._ask(f"v1/{cluster}?hop={hop}", MAX_LISTING_BYTES)
+        try:
+            rows = json.loads(data) if data is not None else []
+            return [[str(k), int(r), str(d), int(n)] for k, r, d, n in rows if k in KINDS]
+        except (ValueError, TypeError):
+            self.errors["malformed"] = self.errors.get("malformed", 0) + 1
+            return []
+
+    def fetch(self, cluster: str, kind: str, round_: int, hop: int, max_bytes: int) -> bytes | None:
+        return self._ask(f"v1/{cluster}/{kind}/{round_}?hop={hop}", max_bytes)
+
+    def forward(self, cluster: str, kind: str, round_: int, blob: bytes, hop: int) -> None:
+        self._queue.put((cluster, kind, round_, blob, hop, time.monotonic() + self.timeout_s))
+
+    def _forwarding(self) -> None:
+        while (item := self._queue.get()) is not None:
+            cluster, kind, round_, blob, hop, until = item
+            while time.monotonic() < until:
+                path = f"v1/{cluster}/{kind}/{round_}?hop={hop}"
+                if (
+                    self._call("PUT", path, min(until, time.monotonic() + self.timeout_s), 4096, blob)
+                    is not None
+                ):
+                    self.forwarded += 1
+                    break
+                time.sleep(min(1.0, max(0.0, until - time.monotonic())))
+            else:
+                logger.warning(
+                    "diloco relay: %s's %s of round %d did not reach the upstream relay",
+                    cluster,
+                    kind,
+                    round_,
+                )
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
 class RelayServer:
     """The relay, serving in a thread (``close()`` stops it). ``tls`` None is plain HTTP (for
-    loopback or a private network only; the command refuses it elsewhere)."""
+    loopback or a private network only; the command refuses it elsewhere). ``upstream``:
+    ``(url, fingerprint)`` of the relay this one sits behind (a chain), with ``upstream_timeout_s``
+    bounding each call to it."""
 
     def __init__(
         self,
@@ -281,10 +401,15 @@ class RelayServer:
         max_clusters: int = 64,
         keep_rounds: int = 8,
         window_s: float = 120.0,
+        upstream: tuple[str, str | None] | None = None,
+        upstream_timeout_s: float = 30.0,
     ) -> None:
         self.state = RelayState(directory, max_blob_bytes, max_total_bytes, max_clusters, keep_rounds)
+        self.upstream = None if upstream is None else _Upstream(*upstream, key, upstream_timeout_s)
         handler = type(
-            "Handler", (_RelayHandler,), {"verifier": Verifier(key, AUDIENCE, window_s), "state": self.state}
+            "Handler",
+            (_RelayHandler,),
+            {"verifier": Verifier(key, AUDIENCE, window_s), "state": self.state, "upstream": self.upstream},
         )
         self._serving = ServerThread(host, port, handler, tls=tls, name="diloco-relay")
 
@@ -294,6 +419,8 @@ class RelayServer:
 
     def close(self) -> None:
         self._serving.close()
+        if self.upstream is not None:
+            self.upstream.close()
 
 
 # ------------------------------------------------------------------------------------- client
@@ -460,84 +587,28 @@ def _secret_from(env: str) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from prime_composer.netaddr import is_loopback
-    from prime_composer.wire.tls import fingerprint_of_pem, server_context
-
+    """``key --secret-env S``: print the relay key. ``serve --flags``: the older front-end, now
+    ``rl relay --kind diloco --flags`` (the same flags: ``--host``, ``--port``, ``--key-env``,
+    ``--dir``, ``--tls-cert``, ``--tls-key``, ``--private-network``, ``--max-blob-bytes``, ...)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["serve"]:
+        # One way to start a relay: this process becomes `rl relay` (launch/relay.py; diloco/
+        # imports nothing of launch/, so it is run, not imported).
+        command = [sys.executable, "-m", "prime_composer.launch.relay", "--kind", "diloco", *args[1:]]
+        os.execv(sys.executable, command)
     parser = argparse.ArgumentParser(
         prog="python -m prime_composer.diloco.relay",
-        description="The DiLoCo relay for DCs without an inbound port (see the module docstring).",
+        description='The DiLoCo relay\'s key (the relay itself: `rl relay @ relay.toml`, kind = "diloco").',
     )
     sub = parser.add_subparsers(dest="command", required=True)
     key = sub.add_parser(
         "key", help="print the relay key derived from the run's secret (give it to the relay)"
     )
     key.add_argument("--secret-env", required=True, help="environment variable holding the run's secret")
-    serve = sub.add_parser("serve", help="run the relay")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=0, help="0 (the default): a free port, printed once ready")
-    serve.add_argument("--key-env", required=True, help="environment variable holding the relay key (hex)")
-    serve.add_argument("--dir", type=Path, required=True, help="where blobs are stored (emptied at start)")
-    serve.add_argument("--tls-cert", type=Path)
-    serve.add_argument("--tls-key", type=Path)
-    serve.add_argument("--private-network", action="store_true", help="allow plain HTTP off loopback")
-    serve.add_argument("--max-blob-bytes", type=int, default=1 << 30)
-    serve.add_argument("--max-total-bytes", type=int, default=16 << 30)
-    serve.add_argument("--max-clusters", type=int, default=64)
-    serve.add_argument("--keep-rounds", type=int, default=8)
-    serve.add_argument("--auth-window-s", type=float, default=120.0)
-    args = parser.parse_args(argv)
-    if args.command == "key":
-        print(relay_key(_secret_from(args.secret_env)).hex())
-        return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    raw = os.environ.get(args.key_env, "")
-    if not re.fullmatch(r"[0-9a-f]{64}", raw):
-        print(
-            f"--key-env {args.key_env}: expected 64 hex digits from `python -m prime_composer.diloco.relay key`",
-            file=sys.stderr,
-        )
-        return 2
-    if (args.tls_cert is None) != (args.tls_key is None):
-        print("--tls-cert and --tls-key go together", file=sys.stderr)
-        return 2
-    if args.tls_cert is None and not is_loopback(args.host) and not args.private_network:
-        print(
-            f"--host {args.host} serves other machines over plain HTTP: pass --tls-cert/--tls-key "
-            "(`python -m prime_composer.wire.tls --out DIR`) or --private-network",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        tls = None if args.tls_cert is None else server_context(args.tls_cert, args.tls_key)
-    except ValueError as e:
-        print(
-            str(e).replace("diloco.tls_cert", "--tls-cert").replace("diloco.tls_key", "--tls-key"),
-            file=sys.stderr,
-        )
-        return 2
-    server = RelayServer(
-        args.host,
-        args.port,
-        bytes.fromhex(raw),
-        args.dir,
-        tls=tls,
-        max_blob_bytes=args.max_blob_bytes,
-        max_total_bytes=args.max_total_bytes,
-        max_clusters=args.max_clusters,
-        keep_rounds=args.keep_rounds,
-        window_s=args.auth_window_s,
-    )
-    where = f"{args.host}:{server.port}"
-    pin = f"@{fingerprint_of_pem(args.tls_cert)}" if args.tls_cert is not None else " (plain http)"
-    logger.info(
-        "diloco relay listening; DCs set diloco.relay = %r", where + pin if tls else f"http://{where}"
-    )
-    print(f"relay ready on {where}", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
-    server.close()
+    sub.add_parser("serve", help="run the relay: an alias of `rl relay --kind diloco` with the same flags")
+    parsed = parser.parse_args(args)
+    assert parsed.command == "key"
+    print(relay_key(_secret_from(parsed.secret_env)).hex())
     return 0
 
 

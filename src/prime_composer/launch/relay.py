@@ -9,6 +9,9 @@ Two kinds (``kind``):
   Its key comes from ``python -m prime_composer.transport.remote relay-key --secret-env S``.
 - ``diloco``: a ``diloco.relay.RelayServer`` every DC reaches, for DCs with no inbound port
   (``diloco.relay``). Its key comes from ``python -m prime_composer.diloco.relay key --secret-env S``.
+  With ``upstream`` (``host:port@sha256:<fingerprint>``, as a DC's ``diloco.relay``) it sits behind
+  another DiLoCo relay: DCs -> relay -> relay <- DCs (``diloco/relay.py``). The older
+  ``python -m prime_composer.diloco.relay serve --flags`` runs this command with ``--kind diloco``.
 
 Either way the relay holds a key derived from the run's secret (``key_env`` names the variable
 holding its hex; never in the config, the logs or ``--dry-run``'s output), binds 127.0.0.1 unless
@@ -28,6 +31,7 @@ import sys
 import threading
 from pathlib import Path
 from typing import Literal, Self
+from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 
@@ -74,7 +78,8 @@ class RelayConfig(BaseConfig):
     upstream: str | None = None
     """``weights``: where steps come from, ``https://host:port@sha256:<fingerprint>`` (the weights
     origin, or another relay with ``upstream_is_relay``); ``http://host:port`` on loopback or a
-    private network only."""
+    private network only. ``diloco``: the DiLoCo relay this one sits behind (a chain; optional),
+    ``host:port@sha256:<fingerprint>`` like a DC's ``diloco.relay``."""
 
     upstream_is_relay: bool = False
     """``weights``: ``upstream`` is another weights relay (a chain), not the origin."""
@@ -98,6 +103,10 @@ class RelayConfig(BaseConfig):
     keep_rounds: int = Field(default=8, ge=1)
     """``diloco``: rounds kept."""
 
+    upstream_timeout_s: float = Field(default=30.0, gt=0)
+    """``diloco`` with ``upstream``: time limit of each call to the upstream relay (a listing, a
+    blob, one try of forwarding a blob; a blob is retried for this long)."""
+
     @model_validator(mode="after")
     def _check(self) -> Self:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -109,10 +118,26 @@ class RelayConfig(BaseConfig):
                 "link to the relay is already private"
             )
         if self.kind == "diloco":
-            if self.upstream is not None or self.upstream_is_relay:
+            if self.upstream_is_relay:
                 raise ValueError(
-                    "relay upstream / upstream_is_relay: a diloco relay has no upstream (the DCs publish to it)"
+                    "relay upstream_is_relay: a diloco relay's upstream is always a relay; leave it out"
                 )
+            if self.upstream is not None:
+                from prime_composer.config.diloco import parse_relay
+
+                try:
+                    url, _ = parse_relay(self.upstream)
+                except ValueError as e:
+                    raise ValueError(str(e).replace("diloco.relay", "relay upstream")) from None
+                if (
+                    url.startswith("http://")
+                    and not is_loopback(urlsplit(url).hostname or "")
+                    and not self.private_network
+                ):
+                    raise ValueError(
+                        f"relay upstream = {self.upstream!r} is plain HTTP off loopback: use "
+                        "'host:port@sha256:<fingerprint>', or private_network = true if the link is private"
+                    )
             return self
         if self.upstream is None:
             raise ValueError(
@@ -142,7 +167,7 @@ def check(config: RelayConfig) -> None:
     """What ``--dry-run`` checks without listening: the key variable and the TLS files."""
     _key(config)
     _tls(config)
-    if config.upstream is not None:
+    if config.upstream is not None and config.kind == "weights":
         from prime_composer.transport.remote import url_and_pin
 
         try:
@@ -192,6 +217,7 @@ def run(config: RelayConfig) -> int:
                 upstream_is_relay=config.upstream_is_relay,
             )
         else:
+            from prime_composer.config.diloco import parse_relay
             from prime_composer.diloco.relay import RelayServer
 
             server = RelayServer(
@@ -205,6 +231,8 @@ def run(config: RelayConfig) -> int:
                 max_clusters=config.max_clusters,
                 keep_rounds=config.keep_rounds,
                 window_s=config.auth_window_s,
+                upstream=None if config.upstream is None else parse_relay(config.upstream),
+                upstream_timeout_s=config.upstream_timeout_s,
             )
     except OSError as e:
         raise ConfigError(f"relay: cannot listen on {config.host}:{config.port}: {e}") from None

@@ -17,6 +17,20 @@ or a free one), then:
 - waits until every worker answers ``/health`` (``launch.health_timeout_s``) before the
   orchestrator starts, and closes the origin when the run ends.
 
+Workers listed as ``https://`` in ``orchestrator.base_url`` serve the orchestrator over TLS. When
+the run names no certificate for them (``inference.tls_cert``) and no way to trust one
+(``orchestrator.inference_tls_fingerprint`` / ``inference_tls_ca``), ``rl`` makes one before it
+writes the resolved configs (``prepare_worker_tls``): ``<output_dir>/inference-worker-tls/``
+(``cert.pem`` listing every worker's host, ``key.pem`` 0600; kept, like the origin's, so a resumed
+run keeps its pin), pins its fingerprint in the orchestrator's config, names
+``inference-worker-tls/cert.pem`` / ``key.pem`` (relative: beside the worker's copy of its
+config) in ``inference-worker.json``, records the fingerprint in ``weights-origin.json`` and says
+to copy that folder with the config. The key is made on the trainer's machine: copy it over a
+private channel (``scp``), or make one on each worker with ``rl certs`` and set the two keys
+yourself (then ``rl`` makes nothing). The start-up wait checks a worker's ``/health`` against that
+certificate (a CA: against the CA; a fingerprint alone: unchecked, as the route carries nothing,
+while every later request of the orchestrator is pinned).
+
 Each worker fetches the step the orchestrator names in ``/update_weights`` from the origin,
 verifies it and loads it (``inference/weight_updates.py``, ``transport/remote.py``). Off loopback
 the origin serves HTTPS: with ``tls_cert``/``tls_key`` given, or with a certificate ``rl`` makes
@@ -30,6 +44,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import ssl
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,6 +64,9 @@ if TYPE_CHECKING:
 WORKER_CONFIG = "inference-worker.json"
 ORIGIN_RECORD = "weights-origin.json"
 TLS_DIR = "weights-origin"
+WORKER_TLS_DIR = "inference-worker-tls"
+"""Under ``output_dir``: the certificate ``rl`` makes for ``https://`` workers; the worker config
+names it relative to the worker's working directory (copy the folder beside the config)."""
 WORKER_OUTPUT_DIR = Path("outputs/inference-worker")
 """The worker config's ``output_dir``: relative, on the worker's machine (its fetched steps)."""
 
@@ -73,6 +91,39 @@ def _tls(config: RLConfig, section: WeightsOriginConfig) -> tuple[Path, Path] | 
     return cert, key
 
 
+def _tls_workers(config: RLConfig) -> list[str]:
+    """Host names of the ``https://`` servers of ``orchestrator.base_url`` off loopback."""
+    hosts = []
+    for url in config.orchestrator.server_urls:
+        parts = urlsplit(url)
+        if parts.scheme == "https" and not is_loopback(parts.hostname or ""):
+            hosts.append(parts.hostname or "")
+    return hosts
+
+
+def prepare_worker_tls(config: RLConfig) -> str | None:
+    """Make the ``https://`` workers' certificate and pin it in the orchestrator's config (see the
+    module docstring); its fingerprint, or None when the run needs none or names its own."""
+    if not (config.transport.weights_origin.enabled and config.launch.remote_inference):
+        return None
+    orchestrator = config.orchestrator
+    hosts = _tls_workers(config)
+    if not hosts or config.inference.tls_cert is not None:
+        return None
+    if orchestrator.inference_tls_fingerprint is not None or orchestrator.inference_tls_ca is not None:
+        return None
+    from prime_composer.wire.tls import fingerprint_of_pem, generate
+
+    directory = config.output_dir / WORKER_TLS_DIR
+    cert = directory / "cert.pem"
+    if cert.is_file() and (directory / "key.pem").is_file():
+        fingerprint = fingerprint_of_pem(cert)
+    else:
+        fingerprint = generate(directory, "inference-worker", hosts=tuple(dict.fromkeys(hosts)))
+    orchestrator.inference_tls_fingerprint = fingerprint
+    return fingerprint
+
+
 def worker_config(config: RLConfig, weights_origin: str) -> InferenceConfig:
     """The inference section a worker runs: the run's, fetching its weights from ``weights_origin``,
     on the host and port of the first server of ``orchestrator.base_url``."""
@@ -93,6 +144,8 @@ def worker_config(config: RLConfig, weights_origin: str) -> InferenceConfig:
         "weights_relays": section.relays,
         "num_replicas": 1,
     }
+    if (config.output_dir / WORKER_TLS_DIR / "cert.pem").is_file() and config.inference.tls_cert is None:
+        values |= {"tls_cert": Path(WORKER_TLS_DIR, "cert.pem"), "tls_key": Path(WORKER_TLS_DIR, "key.pem")}
     try:
         return InferenceConfig.model_validate(values)
     except ValueError as e:
@@ -169,14 +222,27 @@ def start_weights_origin(config: RLConfig) -> WeightsOrigin | None:
             configs / WORKER_CONFIG, json.dumps(worker.model_dump(mode="json"), indent=2) + "\n"
         )
         commands = worker_commands(config)
-        record = {"url": url, "fingerprint": pin, "weights_origin": spec, "workers": commands}
+        worker_pin = config.orchestrator.inference_tls_fingerprint
+        record = {
+            "url": url,
+            "fingerprint": pin,
+            "weights_origin": spec,
+            "workers": commands,
+            "inference_tls_fingerprint": worker_pin,
+        }
         atomic_write_text(configs / ORIGIN_RECORD, json.dumps(record, indent=2) + "\n")
         secrets = " and ".join(
             f"${name}" for name in (section.secret_env, config.inference.secret_env) if name
         )
+        copies = f"a copy of {configs / WORKER_CONFIG}"
+        if worker.tls_cert is not None and not worker.tls_cert.is_absolute():
+            copies += (
+                f" and of {config.output_dir / WORKER_TLS_DIR}/ beside it (the workers' certificate, "
+                f"pinned as {worker_pin}; its key.pem over a private channel)"
+            )
         print(
             f"rl: serving {broadcasts} to remote inference workers at {spec}. Start each worker on its "
-            f"machine from a copy of {configs / WORKER_CONFIG}, with {secrets} exported as here:",
+            f"machine from {copies}, with {secrets} exported as here:",
             flush=True,
         )
         for command in commands:
@@ -192,12 +258,33 @@ def wait_for_workers(config: RLConfig) -> None:
     """Return once every server of ``orchestrator.base_url`` answers ``/health``; ``RunError``
     naming the first that does not within ``launch.health_timeout_s``."""
     deadline = time.monotonic() + config.launch.health_timeout_s
+    context = _health_context(config)
     for url, command in zip(config.orchestrator.server_urls, worker_commands(config), strict=True):
         health = server_root(url) + "/health"
-        waited = wait_healthy(health, max(0.0, deadline - time.monotonic()), poll_s=0.5)
+        waited = wait_healthy(health, max(0.0, deadline - time.monotonic()), poll_s=0.5, context=context)
         if not waited.healthy:
             raise RunError(
                 f"the remote inference worker {url} did not answer {health} within "
                 f"{config.launch.health_timeout_s:.0f} s (launch.health_timeout_s); start it with: {command}"
             )
         print(f"rl: remote inference worker {url} is up", flush=True)
+
+
+def _health_context(config: RLConfig) -> ssl.SSLContext | None:
+    """How the start-up wait checks an ``https://`` worker (see the module docstring)."""
+    made = config.output_dir / WORKER_TLS_DIR / "cert.pem"
+    cert = config.inference.tls_cert or (made if made.is_file() else None)
+    if config.orchestrator.inference_tls_ca is not None:
+        from prime_composer.client.tls import ca_context
+
+        return ca_context(config.orchestrator.inference_tls_ca)
+    if cert is not None and cert.is_file():  # the workers' own certificate: trusted as is
+        context = ssl.create_default_context(cafile=str(cert))
+        context.check_hostname = False
+        return context
+    if config.orchestrator.inference_tls_fingerprint is not None:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE  # /health only; the orchestrator pins every request
+        return context
+    return None

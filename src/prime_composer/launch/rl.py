@@ -374,6 +374,7 @@ def _launch_locked(config: RLConfig, argv: Sequence[str]) -> int:
     else:
         prepare_fresh(output_dir, config.launch.overwrite, extra=("sft", "final", "eval", "teachers"))
     print(f"rl: output in {output_dir} (logs/, metrics/, configs/)", flush=True)
+    remote.prepare_worker_tls(config)  # https:// remote workers: their certificate, pinned (launch/remote.py)
     paths = write_resolved_configs(config)
     from prime_composer.tracking import start_tracker
 
