@@ -69,7 +69,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for phase in ("direct", "relay", "plain", "chain"):
                 relay = second = None
-                if phase == "chain":
+                if phase in ("relay", "chain"):
                     relay = WeightsRelay(
                         tmp / "relay-cache",
                         "127.0.0.1",
@@ -79,38 +79,19 @@ def main() -> None:
                         pins["origin"],
                         tls=tls["relay"],
                     )
-                    second = WeightsRelay(
-                        tmp / "relay-2-cache",
-                        "127.0.0.1",
-                        0,
-                        relay_key(SECRET),
-                        f"https://127.0.0.1:{relay.port}",
-                        pins["relay"],
-                        tls=tls["relay-2"],
-                        upstream_is_relay=True,
-                    )
-                    source = RemoteWeights(
-                        origin_url,
-                        pins["origin"],
-                        SECRET,
-                        relays=((f"https://127.0.0.1:{second.port}", pins["relay-2"]),),
-                    )
-                elif phase == "relay":
-                    relay = WeightsRelay(
-                        tmp / "relay-cache",
-                        "127.0.0.1",
-                        0,
-                        relay_key(SECRET),
-                        origin_url,
-                        pins["origin"],
-                        tls=tls["relay"],
-                    )
-                    source = RemoteWeights(
-                        origin_url,
-                        pins["origin"],
-                        SECRET,
-                        relays=((f"https://127.0.0.1:{relay.port}", pins["relay"]),),
-                    )
+                    near = (f"https://127.0.0.1:{relay.port}", pins["relay"])
+                    if phase == "chain":  # a second relay in front of the first
+                        second = WeightsRelay(
+                            tmp / "relay-2-cache",
+                            "127.0.0.1",
+                            0,
+                            relay_key(SECRET),
+                            *near,
+                            tls=tls["relay-2"],
+                            upstream_is_relay=True,
+                        )
+                        near = (f"https://127.0.0.1:{second.port}", pins["relay-2"])
+                    source = RemoteWeights(origin_url, pins["origin"], SECRET, relays=(near,))
                 elif phase == "direct":
                     source = RemoteWeights(origin_url, pins["origin"], SECRET)
                 else:

@@ -2,11 +2,13 @@
 a weights relay in front of the trainer side's origin and a second relay in front of the first
 (origin -> relay -> relay -> worker); a worker fetches a step through the chain and gets exactly
 what was published (every tensor equal), each relay having fetched it once. A DiLoCo relay starts
-from its config too. Bad configs are refused by ``--dry-run`` naming the key, and the relay key
-never appears in what it prints."""
+from its config too, and the older commands of both kinds run ``rl relay`` with their flags. Bad
+configs are refused by ``--dry-run`` naming the key, and the relay key never appears in what it
+prints."""
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import subprocess
@@ -170,6 +172,42 @@ def test_the_older_diloco_relay_serve_command_runs_rl_relay(tmp_path: Path) -> N
         proc.terminate()
         assert proc.wait(timeout=30) == 0
     assert (tmp_path / "blobs").is_dir()
+    refused = subprocess.run(
+        [*old, "--host", "10.0.0.3", "--dry-run"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 2 and "relay host = '10.0.0.3'" in refused.stderr, refused.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_older_weights_relay_command_runs_rl_relay_with_its_flags(tmp_path: Path) -> None:
+    broadcasts = tmp_path / "trainer" / "broadcasts"
+    publish_weights(_state(5), {"model_type": "toy"}, broadcasts, 5)
+    origin = WeightsOrigin(broadcasts, "127.0.0.1", 0, SECRET)  # plain HTTP: loopback only
+    old = [sys.executable, "-m", "prime_composer.transport.remote", "relay"]
+    old += ["--upstream", f"http://127.0.0.1:{origin.port}", "--key-env", "TEST_RELAY_KEY"]
+    old += [f"--root={tmp_path / 'cache'}", "--keep-steps", "1"]  # --root is rl relay's --dir
+    env = {**os.environ, "TEST_RELAY_KEY": relay_key(SECRET).hex()}
+    try:
+        proc, at = _start(tmp_path, env, tmp_path / "relay.log", old)
+        try:
+            worker = RemoteWeights("http://127.0.0.1:1", None, SECRET, timeout_s=60, relays=((at, None),))
+            state = load_weights(worker.fetch(5, tmp_path / "worker" / "broadcasts"))
+        finally:
+            proc.terminate()
+            assert proc.wait(timeout=30) == 0
+    finally:
+        origin.close()
+    for name, tensor in _state(5).items():
+        assert torch.equal(state[name], tensor), name
+    assert (tmp_path / "cache" / "step_5" / "STABLE").is_file()  # kept under --root
+    # --upstream-relay is upstream_is_relay; a bad flag is refused as rl relay refuses it.
+    resolved = subprocess.run(
+        [*old, "--upstream-relay", "--dry-run"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert resolved.returncode == 0, resolved.stderr
+    config = json.loads(resolved.stdout)
+    assert config["kind"] == "weights" and config["upstream_is_relay"] is True
+    assert config["dir"] == str(tmp_path / "cache") and config["keep_steps"] == 1
     refused = subprocess.run(
         [*old, "--host", "10.0.0.3", "--dry-run"], env=env, capture_output=True, text=True, timeout=60
     )

@@ -44,10 +44,13 @@ def _wait_ready(proc: subprocess.Popen[bytes], log: Path, text: bytes) -> None:
         time.sleep(0.1)
 
 
-def _server(net: NetSim, i: int, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def _server(
+    net: NetSim, i: int, args: list[str], env: dict[str, str], log: Path, module: str = "transport.remote"
+) -> subprocess.Popen[bytes]:
+    """``python -m prime_composer.<module> args`` in namespace ``i`` (``launch.relay``: ``rl relay``)."""
     with log.open("wb") as out:
         return subprocess.Popen(
-            [*net.prefix(i), sys.executable, "-m", "prime_composer.transport.remote", *args],
+            [*net.prefix(i), sys.executable, "-m", f"prime_composer.{module}", *args],
             env=env,
             stdout=out,
             stderr=out,
@@ -88,19 +91,18 @@ def test_a_worker_gets_the_weights_through_a_relay_near_it(tmp_path: Path) -> No
             origin = _server(net, 0, origin_args, env, tmp_path / "origin.log")
             procs.append(origin)
             relay_args = [
-                "relay",
                 "--upstream",
                 f"{origin_at}@{origin_pin}",
-                "--root",
+                "--dir",
                 str(tmp_path / "relay-cache"),
             ]
             relay_args += ["--host", net.address(1), "--port", "7901", "--key-env", "RELAY_KEY"]
             relay_args += ["--tls-cert", str(tmp_path / "relay-tls" / "cert.pem")]
             relay_args += ["--tls-key", str(tmp_path / "relay-tls" / "key.pem")]
-            relay = _server(net, 1, relay_args, relay_env, tmp_path / "relay.log")
+            relay = _server(net, 1, relay_args, relay_env, tmp_path / "relay.log", "launch.relay")
             procs.append(relay)
             _wait_ready(origin, tmp_path / "origin.log", b"weights origin ready")
-            _wait_ready(relay, tmp_path / "relay.log", b"weights relay ready")
+            _wait_ready(relay, tmp_path / "relay.log", b"relay ready on")
             fetch = [*net.prefix(2), sys.executable, "-m", "prime_composer.transport.remote", "fetch"]
             fetch += ["--url", origin_at, "--fingerprint", origin_pin, "--relay", f"{relay_at}@{relay_pin}"]
             fetch += ["--root", str(tmp_path / "worker" / "broadcasts"), "--secret-env", "WEIGHTS_SECRET"]
@@ -241,10 +243,9 @@ def test_an_inference_worker_loads_what_the_relay_delivers_over_a_pinned_https_l
             )
             procs.append(origin)
             relay_args = [
-                "relay",
                 "--upstream",
                 f"{origin_at}@{pins['origin']}",
-                "--root",
+                "--dir",
                 str(tmp_path / "relay-cache"),
             ]
             relay_args += [
@@ -256,7 +257,7 @@ def test_an_inference_worker_loads_what_the_relay_delivers_over_a_pinned_https_l
                 "RELAY_KEY",
                 *tls["relay"],
             ]
-            relay = _server(net, 1, relay_args, relay_env, tmp_path / "relay.log")
+            relay = _server(net, 1, relay_args, relay_env, tmp_path / "relay.log", "launch.relay")
             procs.append(relay)
             worker_args = [
                 "--model.name",
@@ -284,7 +285,7 @@ def test_an_inference_worker_loads_what_the_relay_delivers_over_a_pinned_https_l
                 )
             procs.append(worker)
             _wait_ready(origin, tmp_path / "origin.log", b"weights origin ready")
-            _wait_ready(relay, tmp_path / "relay.log", b"weights relay ready")
+            _wait_ready(relay, tmp_path / "relay.log", b"relay ready on")
             # The orchestrator's side, in the trainer's namespace: names the trainer's own path.
             driver = [*net.prefix(0), sys.executable, "-c", _DRIVER, worker_at, pins["worker"]]
             driver += [env["INFERENCE_SECRET"], str(trainer_root / "step_6")]

@@ -196,7 +196,7 @@ class InferenceConfig(BaseConfig):
 
     weights_relays: list[str] = Field(default_factory=list)
     """Both backends: weights relays near this worker (``https://host:port@sha256:<fingerprint>``,
-    each started with ``python -m prime_composer.transport.remote relay``), tried in order before
+    each started with ``rl relay`` and ``kind = "weights"``), tried in order before
     ``weights_origin``: a relay fetches each step once from the origin for all the workers near it.
     What a relay serves is checked as the origin's (the manifest's end-to-end tag, which a relay
     cannot make, and every digest); a relay that is down or serves anything that does not verify

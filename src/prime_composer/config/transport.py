@@ -52,7 +52,7 @@ class WeightsOriginConfig(BaseConfig):
 
     relays: list[str] = Field(default_factory=list)
     """Weights relays near the workers (``https://host:port@sha256:<fingerprint>``, each started
-    with ``python -m prime_composer.transport.remote relay``, upstream this origin), written into
+    with ``rl relay`` and ``kind = "weights"``, upstream this origin), written into
     the worker config as ``inference.weights_relays``: the workers try them in order, then this
     origin. ``hf`` workers only."""
 

@@ -296,6 +296,38 @@ class _RelayHandler(BaseHTTPRequestHandler):
         logger.debug("relay %s: " + format, self.address_string(), *args)
 
 
+def _relay_call(
+    peer: Peer,
+    errors: dict[str, int],
+    method: str,
+    path: str,
+    deadline: float,
+    max_bytes: int,
+    body: bytes,
+    *,
+    who: str,
+    warn_http: bool = False,
+) -> bytes | None:
+    """One signed call to a relay: the reply's body on a 200, else None with the failure counted
+    in ``errors`` (the transport's reason, or ``http_<status>``). A certificate that does not match
+    its pin is logged as an error, other transport failures at debug level, and with ``warn_http``
+    an HTTP error other than 404 (which only says a blob is not there) as a warning."""
+    try:
+        status, data = request(peer, method, path, deadline, max_bytes, body)
+    except TransportError as e:
+        errors[e.reason] = errors.get(e.reason, 0) + 1
+        (logger.error if e.reason == "pin" else logger.debug)("%s: %s", who, e)
+        return None
+    if status != 200:
+        errors[f"http_{status}"] = errors.get(f"http_{status}", 0) + 1
+        if warn_http and status != 404:
+            logger.warning(
+                "%s: %s %s: HTTP %d %s", who, method, path, status, data[:200].decode("utf-8", "replace")
+            )
+        return None
+    return data
+
+
 class _Upstream:
     """The relay a chained relay sits behind (see the module docstring): its DCs' blobs are
     forwarded there by one background thread (the newest first per slot, each try bounded by
@@ -321,16 +353,10 @@ class _Upstream:
     def _call(
         self, method: str, path: str, deadline: float, max_bytes: int, body: bytes = b""
     ) -> bytes | None:
-        try:
-            status, data = request(self.peer, method, path, deadline, max_bytes, body)
-        except TransportError as e:
-            self.errors[e.reason] = self.errors.get(e.reason, 0) + 1
-            (logger.error if e.reason == "pin" else logger.debug)("diloco relay upstream: %s", e)
-            return None
-        if status != 200:
-            self.errors[f"http_{status}"] = self.errors.get(f"http_{status}", 0) + 1
-            return None
-        return data
+        # HTTP errors are counted only (in errors): a forward that fails is retried every second.
+        return _relay_call(
+            self.peer, self.errors, method, path, deadline, max_bytes, body, who="diloco relay upstream"
+        )
 
     def _ask(self, path: str, max_bytes: int) -> bytes | None:
         """A GET for a reader of this relay: skipped while the upstream is taken as down."""
@@ -444,24 +470,18 @@ class RelayClient:
     def _call(
         self, method: str, path: str, timeout_s: float, max_bytes: int, body: bytes = b""
     ) -> bytes | None:
-        try:
-            status, data = request(self.peer, method, path, time.monotonic() + timeout_s, max_bytes, body)
-        except TransportError as e:
-            self.errors[e.reason] = self.errors.get(e.reason, 0) + 1
-            (logger.error if e.reason == "pin" else logger.debug)("diloco relay: %s", e)
-            return None
-        if status != 200:
-            self.errors[f"http_{status}"] = self.errors.get(f"http_{status}", 0) + 1
-            if status != 404:
-                logger.warning(
-                    "diloco relay: %s %s: HTTP %d %s",
-                    method,
-                    path,
-                    status,
-                    data[:200].decode("utf-8", "replace"),
-                )
-            return None
-        return data
+        deadline = time.monotonic() + timeout_s
+        return _relay_call(
+            self.peer,
+            self.errors,
+            method,
+            path,
+            deadline,
+            max_bytes,
+            body,
+            who="diloco relay",
+            warn_http=True,
+        )
 
     def publish(self, cluster: str, kind: str, round_: int, payload: bytes, timeout_s: float) -> bool:
         blob = seal(self._seal_key, cluster, kind, round_, payload)

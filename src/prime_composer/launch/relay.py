@@ -6,7 +6,9 @@ Two kinds (``kind``):
   center. It fetches each step once from ``upstream`` (the trainer side's weights origin, or with
   ``upstream_is_relay`` another weights relay: chains origin -> relay -> relay -> worker), checks
   it before keeping it and serves it to the workers, who list it in ``inference.weights_relays``.
-  Its key comes from ``python -m prime_composer.transport.remote relay-key --secret-env S``.
+  Its key comes from ``python -m prime_composer.transport.remote relay-key --secret-env S``. The
+  older ``python -m prime_composer.transport.remote relay --flags`` runs this command with
+  ``--kind weights`` (its ``--root`` is ``--dir``, its ``--upstream-relay`` ``--upstream-is-relay``).
 - ``diloco``: a ``diloco.relay.RelayServer`` every DC reaches, for DCs with no inbound port
   (``diloco.relay``). Its key comes from ``python -m prime_composer.diloco.relay key --secret-env S``.
   With ``upstream`` (``host:port@sha256:<fingerprint>``, as a DC's ``diloco.relay``) it sits behind

@@ -20,12 +20,14 @@ Routes: ``/health``; ``/latest`` (``{"step": N}``, the newest ``STABLE`` step); 
 for ``MANIFEST.json``, ``MANIFEST.sig``, ``MANIFEST.relay-sig`` and the files the manifest lists
 (nothing else).
 
-Workers in another data center go through a ``WeightsRelay`` near them (origin -> relay ->
-worker, or a chain origin -> relay -> relay -> worker; ``relay`` command, or ``rl relay``): it holds ``relay_key(secret)`` only, signs its requests to the origin
-and checks the requests of its workers with keys derived from it, checks each step it receives
-(``MANIFEST.relay-sig``, which the origin makes with a key derived from the relay key, then every
-digest) before keeping it, and serves it on with the origin's ``MANIFEST.sig``, which the workers
-check as from the origin. ``RemoteWeights(relays=...)`` tries the relays in order, then the origin.
+Workers in another data center go through a ``WeightsRelay`` near them (origin -> relay -> worker,
+or a chain origin -> relay -> relay -> worker), started with ``rl relay`` (``launch/relay.py``,
+kind ``weights``; this module's older ``relay --flags`` runs that command with the same flags). It
+holds ``relay_key(secret)`` only, signs its requests to the origin and checks the requests of its
+workers with keys derived from it, checks each step it receives (``MANIFEST.relay-sig``, which the
+origin makes with a key derived from the relay key, then every digest) before keeping it, and
+serves it on with the origin's ``MANIFEST.sig``, which the workers check as from the origin.
+``RemoteWeights(relays=...)`` tries the relays in order, then the origin.
 
 An inference server uses it through ``inference/weight_updates.py``: given a ``RemoteWeights``,
 its ``/update_weights`` fetches the step the orchestrator names into its own root before loading
@@ -49,7 +51,6 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from prime_composer.integrity import MANIFEST_NAME
 from prime_composer.io import atomic_write_bytes, atomic_write_text
@@ -551,9 +552,27 @@ def url_and_pin(value: str) -> tuple[str, str | None]:
     return url, normalize_fingerprint(pin) if pin else None
 
 
+# The older ``relay`` front-end's flags that ``rl relay`` spells differently; its other flags
+# (``--upstream``, ``--keep-steps``, ``--key-env``, ``--host``, ``--port``, ``--tls-cert``,
+# ``--tls-key``, ``--private-network``) are ``rl relay``'s keys already.
+_OLD_RELAY_FLAGS = {"--root": "--dir", "--upstream-relay": "--upstream-is-relay"}
+
+
+def _rl_relay_argv(old: list[str]) -> list[str]:
+    """The older ``relay --flags`` as ``rl relay`` arguments: ``--kind weights`` and each flag by
+    its ``rl relay`` name (``--root X`` is ``--dir X``, ``--upstream-relay`` is
+    ``--upstream-is-relay``, ``--flag=value`` forms alike); values pass unchanged."""
+    renamed = []
+    for token in old:
+        name, eq, value = token.partition("=")
+        renamed.append(_OLD_RELAY_FLAGS.get(name, name) + eq + value)
+    return ["--kind", "weights", *renamed]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``serve`` the trainer side's ``broadcasts/``, ``relay`` it near the workers of another data
-    center, print a relay's ``relay-key``, or ``fetch`` one step (or the newest) as a worker."""
+    """``serve`` the trainer side's ``broadcasts/``, print a relay's ``relay-key``, or ``fetch``
+    one step (or the newest) as a worker. ``relay --flags``: the older front-end of the weights
+    relay, now ``rl relay --kind weights`` with the same flags (``_rl_relay_argv``)."""
     import argparse
     import signal
     import sys
@@ -562,6 +581,12 @@ def main(argv: list[str] | None = None) -> int:
     from prime_composer.netaddr import is_loopback
     from prime_composer.wire.tls import fingerprint_of_pem, server_context
 
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["relay"]:
+        # One way to start a relay: this process becomes `rl relay` (launch/relay.py; transport/
+        # imports nothing of launch/, so it is run, not imported).
+        command = [sys.executable, "-m", "prime_composer.launch.relay", *_rl_relay_argv(args[1:])]
+        os.execv(sys.executable, command)
     parser = argparse.ArgumentParser(prog="python -m prime_composer.transport.remote", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the published steps under --root (the trainer side)")
@@ -579,97 +604,57 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="https://host:port@sha256:<fp> of a weights relay to try first (repeatable, in order)",
     )
-    relay = sub.add_parser("relay", help="relay the origin's steps to the workers of another data center")
-    relay.add_argument("--upstream", required=True, help="the origin: https://host:port@sha256:<fp>")
-    relay.add_argument("--root", type=Path, required=True, help="the relay's cache of steps")
-    relay.add_argument("--keep-steps", type=int, default=3, help="newest steps kept in the cache")
-    relay.add_argument(
-        "--upstream-relay", action="store_true", help="--upstream is another relay (a chain), not the origin"
-    )
-    relay.add_argument(
-        "--key-env", required=True, help="environment variable holding the relay key (from `relay-key`)"
+    sub.add_parser(
+        "relay",
+        help="run a weights relay: an alias of `rl relay --kind weights` with the same flags "
+        "(--root is its --dir, --upstream-relay its --upstream-is-relay)",
     )
     key = sub.add_parser("relay-key", help="print the key a relay holds (derived from the secret)")
-    for p in (serve, relay):
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--port", type=int, default=0, help="0 (the default): a free port, printed once ready")
-        p.add_argument("--tls-cert", type=Path)
-        p.add_argument("--tls-key", type=Path)
-        p.add_argument("--private-network", action="store_true", help="allow plain HTTP off loopback")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=0, help="0 (the default): a free port, printed once ready")
+    serve.add_argument("--tls-cert", type=Path)
+    serve.add_argument("--tls-key", type=Path)
+    serve.add_argument("--private-network", action="store_true", help="allow plain HTTP off loopback")
     for p in (serve, fetch, key):
         p.add_argument("--secret-env", required=True, help="environment variable holding the shared secret")
-    args = parser.parse_args(argv)
-    env_name = args.key_env if args.command == "relay" else args.secret_env
-    secret = os.environ.get(env_name, "").encode()
+    parsed = parser.parse_args(args)
+    secret = os.environ.get(parsed.secret_env, "").encode()
     if not secret:
-        flag = "--key-env" if args.command == "relay" else "--secret-env"
-        print(f"{flag} {env_name}: that environment variable is unset or empty", file=sys.stderr)
+        print(
+            f"--secret-env {parsed.secret_env}: that environment variable is unset or empty", file=sys.stderr
+        )
         return 2
-    if args.command == "relay-key":
+    if parsed.command == "relay-key":
         print(relay_key(secret).hex())
         return 0
-    if args.command == "fetch":
+    if parsed.command == "fetch":
         try:
-            fingerprint = None if args.fingerprint is None else normalize_fingerprint(args.fingerprint)
-            relays = tuple(url_and_pin(r) for r in args.relay)
-            source = RemoteWeights(args.url, fingerprint, secret, relays=relays)
-            step = args.step if args.step is not None else source.latest()
+            fingerprint = None if parsed.fingerprint is None else normalize_fingerprint(parsed.fingerprint)
+            relays = tuple(url_and_pin(r) for r in parsed.relay)
+            source = RemoteWeights(parsed.url, fingerprint, secret, relays=relays)
+            step = parsed.step if parsed.step is not None else source.latest()
             if step is None:
-                print(f"{args.url} serves no step yet", file=sys.stderr)
+                print(f"{parsed.url} serves no step yet", file=sys.stderr)
                 return 1
-            print(source.fetch(step, args.root))
+            print(source.fetch(step, parsed.root))
         except (ValueError, RemoteWeightsError) as e:
             print(f"fetch failed: {e}", file=sys.stderr)
             return 1
         return 0
-    if (args.tls_cert is None) != (args.tls_key is None):
+    if (parsed.tls_cert is None) != (parsed.tls_key is None):
         print("--tls-cert and --tls-key go together", file=sys.stderr)
         return 2
-    if args.tls_cert is None and not is_loopback(args.host) and not args.private_network:
-        print(f"--host {args.host}: plain HTTP to other machines needs --private-network", file=sys.stderr)
+    if parsed.tls_cert is None and not is_loopback(parsed.host) and not parsed.private_network:
+        print(f"--host {parsed.host}: plain HTTP to other machines needs --private-network", file=sys.stderr)
         return 2
     try:
-        tls = None if args.tls_cert is None else server_context(args.tls_cert, args.tls_key)
+        tls = None if parsed.tls_cert is None else server_context(parsed.tls_cert, parsed.tls_key)
     except ValueError as e:
         print(str(e), file=sys.stderr)
         return 2
-    server: WeightsOrigin | WeightsRelay
-    if args.command == "relay":
-        try:
-            key_bytes = bytes.fromhex(secret.decode())
-            upstream, upstream_pin = url_and_pin(args.upstream)
-        except ValueError as e:
-            print(
-                f"relay: {e} (--key-env holds the hex of `relay-key`; --upstream URL@sha256:<fp>)",
-                file=sys.stderr,
-            )
-            return 2
-        if len(key_bytes) != 32:
-            print("relay: --key-env must hold the 64 hex digits `relay-key` prints", file=sys.stderr)
-            return 2
-        parts = urlsplit(upstream)
-        if parts.scheme == "https" and upstream_pin is None:
-            print(f"--upstream {upstream}: pin the origin's certificate (@sha256:<fp>)", file=sys.stderr)
-            return 2
-        if parts.scheme == "http" and not is_loopback(parts.hostname or "") and not args.private_network:
-            print(f"--upstream {upstream}: plain HTTP off loopback needs --private-network", file=sys.stderr)
-            return 2
-        server = WeightsRelay(
-            args.root,
-            args.host,
-            args.port,
-            key_bytes,
-            upstream,
-            upstream_pin,
-            tls=tls,
-            keep_steps=args.keep_steps,
-            upstream_is_relay=args.upstream_relay,
-        )
-    else:
-        server = WeightsOrigin(args.root, args.host, args.port, secret, tls=tls)
-    pin = f" fingerprint {fingerprint_of_pem(args.tls_cert)}" if args.tls_cert is not None else ""
-    role = "relay" if args.command == "relay" else "origin"
-    print(f"weights {role} ready on {args.host}:{server.port}{pin}", flush=True)
+    server = WeightsOrigin(parsed.root, parsed.host, parsed.port, secret, tls=tls)
+    pin = f" fingerprint {fingerprint_of_pem(parsed.tls_cert)}" if parsed.tls_cert is not None else ""
+    print(f"weights origin ready on {parsed.host}:{server.port}{pin}", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
