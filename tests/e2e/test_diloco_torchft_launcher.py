@@ -97,8 +97,8 @@ def synced_records(output_dir: Path) -> list[dict]:
 
 def test_two_torchft_dcs_train_resume_and_agree(tmp_path: Path, quickstart_warmup: Path) -> None:
     # Both DCs start from the quickstart's warm-up, trained once per test run (from the random tiny
-    # model every group ties at reward 0 and there is nothing to train on); the shardcast test
-    # (test_diloco_launcher.py) runs the DCs' own warm-ups.
+    # model every group ties at reward 0 and there is nothing to train on), as in the shardcast
+    # test (test_diloco_launcher.py).
     warm = ("--no-warmup.enabled", "--model.name", str(quickstart_warmup))
     ports = {"a": free_port(), "b": free_port()}
     lighthouse, address = start_lighthouse()

@@ -16,10 +16,17 @@ from .conftest import metric_steps, run_rl
 pytestmark = pytest.mark.slow  # more than ~30 s on 2 cores: left out of the fast lane
 
 
-def test_quickstart_runs_end_to_end(tmp_path: Path) -> None:
+def test_quickstart_runs_end_to_end(tmp_path: Path, quickstart_warmup: Path) -> None:
     out = tmp_path / "run"
     proc = run_rl(out, "--max-steps", "3", "--ckpt.interval", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    # The warm-up stage gives the same bits in every launch of the same config: here and in the
+    # session's shared warm-up (the same settings, trained in another process), which the tests
+    # that start from a warmed-up model use, and which the DCs of a DiLoCo run rely on (each runs
+    # its own; tests/unit/test_diloco_configs.py checks they get the same data and settings).
+    for name in ("data.jsonl", "final/model.safetensors"):
+        assert (out / "sft" / name).read_bytes() == (quickstart_warmup.parent / name).read_bytes(), name
 
     # Every process wrote its resolved config, its log and (trainer, orchestrator) its metrics.
     for name in ("rl", "inference", "orchestrator", "trainer", "sft"):

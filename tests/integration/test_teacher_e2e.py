@@ -42,7 +42,7 @@ TEACHERS = {  # name: (shape, answer)
     "tiny-b": (TinyModelSpec(seed=2, num_hidden_layers=3), PYTEST),
     "tiny-c": (TinyModelSpec(seed=3, intermediate_size=256), CAT),
 }
-RECIPE = {"version": 2, "steps": 80, "lr": 2e-2, "warmup": 10, "batch": 8}
+RECIPE = {"version": 2, "steps": 80, "lr": 2e-2, "warmup": 10, "batch": 4}
 INSTRUCTIONS = "Reply with the next action of the agent as one JSON object."
 
 
@@ -82,6 +82,7 @@ def action_teacher(name: str) -> Path:
         return target
     from prime_composer.trainer.sft import run_sft
 
+    default_cache_dir().mkdir(parents=True, exist_ok=True)  # a fresh cache: nothing built in it yet
     work = Path(tempfile.mkdtemp(prefix=".replay-teacher-", dir=default_cache_dir()))
     try:
         lines = []

@@ -77,3 +77,43 @@ def test_the_recipe_as_two_dcs_shards_each_trainer_and_shares_the_outer_loop() -
     )
     assert eu.diloco.cluster_ids == us.diloco.cluster_ids == ["dc-eu", "dc-us"]
     assert eu.orchestrator.seed != us.orchestrator.seed and eu.trainer.seed == us.trainer.seed
+
+
+def test_the_two_quickstart_dcs_warm_up_on_the_same_data_with_the_same_settings(tmp_path: Path) -> None:
+    """Each DC runs its own warm-up (``[warmup]`` is on in the quickstart) and DiLoCo needs both
+    to start from the same weights: the warm-up's data are drawn with the run's seed, not the
+    DC's data seed, and its ``sft`` settings are the same but for the folders. (That a warm-up
+    with the same data and settings gives the same bits in another launch is
+    ``tests/e2e/test_quickstart_launcher.py``'s.)"""
+    from prime_composer.config.cli import load_file
+    from prime_composer.config.orchestrator import OrchestratorConfig
+    from prime_composer.launch import rl
+    from prime_composer.orchestrator.sft_export import export_sft_data
+
+    data, sft = {}, {}
+    for name in "ab":
+        out = tmp_path / name
+        argv = [
+            "@",
+            str(CONFIGS / f"diloco-dc-{name}.toml"),
+            "--output-dir",
+            str(out),
+            "--warmup.num-examples",
+            "64",
+        ]
+        config = resolve_rl_config(argv)[0]
+        specs, final = rl.warmup_specs(config, rl.write_resolved_configs(config))
+        assert [s.name for s in specs] == ["sft-data", "sft"] and final == out / "sft" / "final"
+        argv = specs[0].argv
+        option = {k: argv[argv.index(k) + 1] for k in ("--config", "--num-examples", "--seed")}
+        assert int(option["--seed"]) == config.seed != config.orchestrator.seed
+        # What the sft-data process does with those arguments, here in-process.
+        orchestrator = OrchestratorConfig.model_validate(
+            load_file(Path(option["--config"]), origin="--config").values
+        )
+        orchestrator = orchestrator.model_copy(update={"seed": int(option["--seed"])})
+        export_sft_data(orchestrator, out / "data.jsonl", int(option["--num-examples"]))
+        data[name] = (out / "data.jsonl").read_text()
+        sft[name] = (out / "configs" / "sft.json").read_text().replace(str(out), "<output_dir>")
+    assert data["a"] == data["b"] and data["a"].count("\n") == 64
+    assert sft["a"] == sft["b"]

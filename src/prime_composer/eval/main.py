@@ -251,9 +251,9 @@ def run(config: EvalRunConfig) -> int:
 
 
 def main() -> None:
-    from prime_composer.config.cli import run_entry_point
+    from prime_composer.config.cli import exit_process, run_entry_point
 
-    sys.exit(
+    exit_process(
         run_entry_point(
             EvalRunConfig,
             run,

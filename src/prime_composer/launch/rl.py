@@ -489,19 +489,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv_given = argv is not None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
-        sys.exit(importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:]))
-    code = run_entry_point(
-        RLConfig,
-        lambda config: launch(config, argv),
-        prog="rl",
-        env_prefix=ENV_PREFIX,
-        argv=argv,
-        aliases=RL_ALIASES,
-        finalize=finalize_rl_config,
-        describe="Run inference, orchestrator and trainer together (see docs/architecture.md).",
-        translate=PRIME_RL_NAMES,
-        check=preflight,  # --dry-run runs every check that needs no process
-    )
+        code = importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+    else:
+        code = run_entry_point(
+            RLConfig,
+            lambda config: launch(config, argv),
+            prog="rl",
+            env_prefix=ENV_PREFIX,
+            argv=argv,
+            aliases=RL_ALIASES,
+            finalize=finalize_rl_config,
+            describe="Run inference, orchestrator and trainer together (see docs/architecture.md).",
+            translate=PRIME_RL_NAMES,
+            check=preflight,  # --dry-run runs every check that needs no process
+        )
     if argv_given:  # called in-process (tests): the interpreter stays
         sys.exit(code)
     exit_process(code)
