@@ -28,7 +28,10 @@ Every run uses the real ``Replayer`` (plan, cascade, ``TeacherPool``: cache, bud
   uncertainty), so the cascade's share of the saving is seen apart from the gate's;
 - ``random+cascade``: B steps per trace drawn at random, with the cascade (the baseline of the gate);
 - ``gate+cascade``: the heuristic gate (B = ``--max-steps-per-trace``) with the cascade;
-- ``calibrated+cascade``: ``gate.model = "calibrated"`` (``teacher/voi.py``), learning online.
+- ``calibrated+cascade``: ``gate.model = "calibrated"`` (``teacher/voi.py``), learning online;
+- ``proximity+cascade`` (asked by name, ``--runs``): the heuristic gate with
+  ``gate.error_attribution = "proximity"``, the gate before failures were blamed on their cause
+  (a failing test run marked itself, not the edit before it).
 
 Variants (``--variants``): ``default``; ``confident`` (mistakes as confident as every other step:
 logprobs carry no signal); ``together`` (the teachers' errors are one draw per state, so a wrong
@@ -40,19 +43,29 @@ the project's one converter, ``trace_export.samples_to_traces``; the mistake is 
 episode's first wrong step, the right action the oracle's at that turn, and the teachers answer
 from that oracle as above with pyfix's own tools as their wrong alternatives); ``agents_weak`` (the
 same episodes, weaker teachers: ``WEAK_ACCURACY``). The scripted agents' logprobs depend only on
-the token position: the real traces carry no uncertainty signal.
+the token position: the real traces carry no uncertainty signal. ``--agent-tasks`` defaults to 20,
+pyfix's train tasks, each played once; up to 40 plays each task a second time with the next agent,
+so no (agent, task) episode repeats. The episodes are played once per invocation and replayed for
+every seed and variant.
+
+Seeds (``--seed``, one or more): a seed draws the synthetic traces and salts the teachers' draws and
+the random-B baseline's choice (seed 0 draws as before the seed reached the teachers); the agents
+variants' episodes are the same for every seed. With several seeds a table of the gate's recall
+over random B's per variant follows: mean, standard deviation, min and max.
 
 Recall and precision are absolute: a planted step is *recalled* when it becomes a pair whose chosen
 side is the right action (over all planted steps); precision is the share of pairs whose chosen
 side is right. ``gate ECE`` is the expected calibration error of the score that ranked the steps
 against their labels (``store.gate_calibration``). The last line is, per variant, the gate's recall
-over random B's (both with the cascade, same B).
+over random B's (both with the cascade, same B; the mean over the seeds).
 
 Run::
 
     uv run python bench/replay.py
     uv run python bench/replay.py --num-traces 200 --seed 1 --variants default together
     uv run python bench/replay.py --variants agents agents_weak --agent-tasks 40
+    uv run python bench/replay.py --variants agents agents_weak --max-steps-per-trace 2 --seed 0 1 2 3 4 \
+        --runs all all+cascade random+cascade proximity+cascade gate+cascade calibrated+cascade
 """
 
 from __future__ import annotations
@@ -202,7 +215,7 @@ def make_trace(
     return record, planted_turn, steps[planted].right if planted is not None else None
 
 
-def _unit(*parts: object) -> float:
+def _draw(*parts: object) -> float:
     digest = hashlib.sha256("|".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") / 2**64
 
@@ -214,12 +227,19 @@ def oracle_answers(
     together: bool = False,
     accuracy: dict[str, float] = ACCURACY,
     alternatives: list[dict[str, Any]] = ALTERNATIVES,
+    seed: int = 0,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``teacher -> prompt hash -> answer``: what each teacher says at each state. ``together``:
     the teachers' errors are one draw per state (all right or all wrong the same way), not one per
     teacher, so a wrong majority is unanimous. ``accuracy``: each teacher's chance of the right
-    action at a mistake (its strength); ``alternatives``: what it says when it is wrong otherwise."""
+    action at a mistake (its strength); ``alternatives``: what it says when it is wrong otherwise.
+    ``seed`` salts the draws (seed 0 draws as before the seed reached the teachers, so its numbers
+    stay comparable with earlier runs)."""
     table: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in PRICES}
+
+    def _unit(*parts: object) -> float:
+        return _draw(*((f"seed{seed}",) if seed else ()), *parts)
+
     for trace in traces:
         for k in trace.step_indices:
             key = prompt_hash(teacher_messages(trace, k, instructions))
@@ -243,8 +263,10 @@ def oracle_answers(
 
 
 class RandomReplayer(Replayer):
-    """The random-B baseline: B steps per trace drawn uniformly (seeded by the trace id), with the
-    same cascade, pool, cache and ledger as the gate."""
+    """The random-B baseline: B steps per trace drawn uniformly (seeded by the trace id and
+    ``seed``), with the same cascade, pool, cache and ledger as the gate."""
+
+    seed = 0
 
     def plan(self, trace: Trace) -> list[PlannedStep]:
         stored = self.store.plan(trace.trace_id)
@@ -253,7 +275,8 @@ class RandomReplayer(Replayer):
         gate = self.cfg.gate
         features = step_features(trace, gate, self.store.state_evaluated)
         turns = [f.turn_index for f in features]
-        chosen = set(random.Random(trace.trace_id).sample(turns, min(gate.max_steps_per_trace, len(turns))))
+        draw = random.Random(f"{self.seed}:{trace.trace_id}" if self.seed else trace.trace_id)
+        chosen = set(draw.sample(turns, min(gate.max_steps_per_trace, len(turns))))
         plan = [
             PlannedStep(f.turn_index, f.state_hash, f.as_dict(), f.score(gate), 0.0, f.turn_index in chosen)
             for f in features
@@ -329,9 +352,18 @@ VARIANTS = {
     "agents_weak": {"agents": True, "accuracy": WEAK_ACCURACY},  # the same, weaker teachers
 }
 RUNS = ("all", "all+cascade", "random+cascade", "gate+cascade", "calibrated+cascade")
+OPTIONAL_RUNS = ("proximity+cascade",)
+"""Runs asked by name only: ``proximity+cascade`` is the heuristic gate with
+``error_attribution = "proximity"`` (an error marks the step that shows it, not its cause)."""
 
 
-def variant_runs(args: argparse.Namespace, variant: str, b: dict[str, int]) -> dict[str, dict[str, float]]:
+_AGENT_EPISODES: dict[int, tuple[list[dict[str, Any]], dict[tuple[str, int], dict[str, Any]]]] = {}
+"""The agents variants' episodes, played once per process (every seed and variant replays them)."""
+
+
+def variant_runs(
+    args: argparse.Namespace, variant: str, b: dict[str, int], seed: int
+) -> dict[str, dict[str, float]]:
     options = VARIANTS[variant]
     records: list[dict[str, Any]] = []
     planted: dict[tuple[str, int], dict[str, Any]] = {}
@@ -340,9 +372,12 @@ def variant_runs(args: argparse.Namespace, variant: str, b: dict[str, int]) -> d
         from replay_agents import ALTERNATIVES as agent_alternatives
         from replay_agents import agent_traces
 
-        records, planted = agent_traces(args.agent_tasks)
+        if args.agent_tasks not in _AGENT_EPISODES:
+            _AGENT_EPISODES[args.agent_tasks] = agent_traces(args.agent_tasks)
+        records, planted = _AGENT_EPISODES[args.agent_tasks]
+        records, planted = list(records), dict(planted)
         alternatives = agent_alternatives
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
     for i in range(0 if options.get("agents") else args.num_traces):
         kind = KINDS[i % len(KINDS)] if rng.random() < args.planted else None
         record, turn, right = make_trace(
@@ -364,17 +399,20 @@ def variant_runs(args: argparse.Namespace, variant: str, b: dict[str, int]) -> d
         together=options.get("together", False),
         accuracy=options.get("accuracy", ACCURACY),
         alternatives=alternatives,
+        seed=seed,
     )
     apps = {
         name: fake_teacher_app(lambda messages, t=table[name]: t[prompt_hash(messages)]) for name in PRICES
     }
+    seeded = type("SeededRandomReplayer", (RandomReplayer,), {"seed": seed})
     gates: dict[str, tuple[dict[str, Any], type[Replayer]]] = {
         "all": ({"enabled": False, "cascade": False}, Replayer),
         "all+cascade": ({"enabled": False, "cascade": True}, Replayer),
-        "random+cascade": ({"enabled": True, "cascade": True, **b}, RandomReplayer),
+        "random+cascade": ({"enabled": True, "cascade": True, **b}, seeded),
+        "proximity+cascade": ({"enabled": True, "cascade": True, "error_attribution": "proximity", **b}, Replayer),
         "gate+cascade": ({"enabled": True, "cascade": True, **b}, Replayer),
         "calibrated+cascade": ({"enabled": True, "cascade": True, "model": "calibrated", **b}, Replayer),
-    }
+    }  # fmt: skip
     results = {}
     with contextlib.ExitStack() as stack:
         urls = {name: stack.enter_context(running_app(app)) for name, app in apps.items()}
@@ -396,7 +434,7 @@ def variant_runs(args: argparse.Namespace, variant: str, b: dict[str, int]) -> d
                 )
                 results[name] = run(cfg, traces, planted, replayer)
     steps_total = sum(len(t.step_indices) for t in traces)
-    print(f"\nvariant={variant} traces={len(traces)} steps={steps_total} planted={len(planted)}")
+    print(f"\nvariant={variant} seed={seed} traces={len(traces)} steps={steps_total} planted={len(planted)}")
     print(
         "| run | steps asked | calls/trace | $/trace | pairs | precision | planted selected | recall | gate ECE |"
     )
@@ -408,6 +446,12 @@ def variant_runs(args: argparse.Namespace, variant: str, b: dict[str, int]) -> d
             f"{r['precision']:.2f} | {r['selected_planted']:.2f} | {r['recall']:.3f} | {r['gate_ece']:.3f} |"
         )
     return results
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+    return mean, sd
 
 
 def main() -> None:
@@ -422,24 +466,51 @@ def main() -> None:
         "--max-steps-per-trace", type=int, default=None, help="the gate's B (default: the config's)"
     )
     parser.add_argument(
-        "--agent-tasks", type=int, default=24, help="real pyfix episodes of the agents variants"
+        "--agent-tasks",
+        type=int,
+        default=20,
+        help="real pyfix episodes of the agents variants (20: every train task once; up to 40, the "
+        "second pass with the agents shifted, so no episode repeats)",
     )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=[*RUNS, *OPTIONAL_RUNS])
+    parser.add_argument(
+        "--seed", type=int, nargs="+", default=[0], help="one or more seeds (traces, teachers, random B)"
+    )
     args = parser.parse_args()
     if "random+cascade" in args.runs and "gate+cascade" not in args.runs:
         parser.error("--runs: random+cascade is the baseline of gate+cascade; run both")
 
     b = {} if args.max_steps_per_trace is None else {"max_steps_per_trace": args.max_steps_per_trace}
-    last: list[str] = []
+    ratios: dict[str, dict[str, list[float]]] = {}
     for variant in args.variants:
-        results = variant_runs(args, variant, b)
-        if "gate+cascade" in results and "random+cascade" in results:
-            g, r = results["gate+cascade"], results["random+cascade"]
-            last.append(f"{variant}:recall_gate/random={g['recall'] / max(r['recall'], 1e-9):.2f}")
-    # The ratio line: the gate's absolute recall over random B's, both with the cascade and the same B.
-    print(" ".join(last))
+        for seed in args.seed:
+            results = variant_runs(args, variant, b, seed)
+            if "random+cascade" not in results:
+                continue
+            base = max(results["random+cascade"]["recall"], 1e-9)
+            for name in ("gate+cascade", "proximity+cascade", "calibrated+cascade"):
+                if name in results:
+                    ratios.setdefault(variant, {}).setdefault(name, []).append(results[name]["recall"] / base)
+    if len(args.seed) > 1:
+        print(f"\nrecall over random B's (same B, both with the cascade), over seeds {args.seed}:")
+        print("| variant | run | mean | sd | min | max |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for variant, by_run in ratios.items():
+            for name, values in by_run.items():
+                mean, sd = _mean_sd(values)
+                print(
+                    f"| {variant} | {name} | {mean:.2f} | {sd:.2f} | {min(values):.2f} | {max(values):.2f} |"
+                )
+    # The ratio line: the gate's absolute recall over random B's, both with the cascade and the same
+    # B (the mean over the seeds).
+    print(
+        " ".join(
+            f"{variant}:recall_gate/random={_mean_sd(by_run['gate+cascade'])[0]:.2f}"
+            for variant, by_run in ratios.items()
+            if "gate+cascade" in by_run
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ other in one invocation (fresh output directories), then reads both runs' ``metr
   rollouts, which includes waiting for the trainer's weights under the async bound),
   ``time/channels_s`` (the channels' ``take``: replay pairs and their reference logprobs),
   ``time/pack_send_s``, and the trainer's ``time/step_s`` (its forward + backward + optimizer) and
-  ``time/wait_data_s`` (waiting for the orchestrator's batch).
+  ``time/wait_data_s`` (waiting for the orchestrator's batch);
+- ``cpu_s``: CPU seconds of ``rl`` and of every process it started (the whole run, warm-up
+  included; on shared cores each one the channel adds is taken from the RL step's processes).
 
 The last line is ``replay_wall_ratio=X``: the replay run's RL wall over the plain run's (target
 <= 1.3).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import tempfile
@@ -52,9 +55,11 @@ def run(config: str, out: Path, max_steps: int | None) -> dict[str, float]:
     command = [str(Path(sys.executable).parent / "rl"), "@", config, "--output_dir", str(out)]
     if max_steps is not None:
         command += ["--max_steps", str(max_steps)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.time()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     ended = time.time()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         sys.exit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     metrics = {p.stem: read(p) for p in (out / "metrics").glob("*.jsonl")}
@@ -66,6 +71,8 @@ def run(config: str, out: Path, max_steps: int | None) -> dict[str, float]:
         "warmup_s": rl_start - started,
         "rl_wall_s": train[-1]["time"] - rl_start,
         "steps": len(train),
+        # CPU seconds of rl and every process it started and waited for (warm-up included).
+        "cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
     }
     for process, key in SUMS:
         rows = orch if process == "orchestrator" else train

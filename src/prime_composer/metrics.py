@@ -53,3 +53,37 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+class MetricsTail:
+    """The records of one metrics file, reading on each ``read()`` only the bytes appended since
+    the last (``read_metrics`` parses the whole file every time: a display that polls a growing
+    file that way spends CPU quadratic in the run's length). A trailing partial line is kept for the
+    next read; a file that was replaced (another inode) or shrank is read again from the start."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.records: list[dict[str, Any]] = []
+        self._offset = 0
+        self._inode: int | None = None
+        self._partial = b""
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                stat = os.fstat(f.fileno())
+                if stat.st_ino != self._inode or stat.st_size < self._offset:
+                    self.records, self._offset, self._partial, self._inode = [], 0, b"", stat.st_ino
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self.records
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            try:
+                self.records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return self.records

@@ -284,6 +284,32 @@ def test_on_policy_chosen_side_is_the_students_matching_sample(tmp_path):
     )
 
 
+def test_a_student_sample_is_read_as_the_students_turn_not_as_a_review_answer():
+    """A plain-text sample ("5", the answer of an arithmetic turn) is the message action "5": the
+    sampler once read samples as review answers (a JSON object), so no plain-text turn ever
+    matched the teachers' majority and Step-DPO (``require_match``) made no pair at all."""
+    call = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
+    student = student_app([("5", [20]), ("  5\n", [20, 1]), (call, [3]), ("", [])])
+    with serving({"student": student}) as urls:
+        on_policy = {"enabled": True, "base_url": urls["student"], "model": "policy", "num_samples": 4}
+        cfg = TeacherServiceConfig.model_validate(
+            {"pool": [{"base_url": "http://127.0.0.1:1/v1", "model": "m"}], "pairs": {"on_policy": on_policy}}
+        )
+
+        async def main() -> list:
+            sampler = StudentSampler(cfg.pairs.on_policy, seed=0)
+            try:
+                return await sampler.sample([{"role": "user", "content": "What is 4 + 1?"}], salt="0" * 8)
+            finally:
+                await sampler.aclose()
+
+        samples = asyncio.run(main())
+    five = Action(message="5").key
+    assert [s.action.key if s.action else None for s in samples] == [
+        five, five, Action(calls=(canonical_call("bash", {"command": "ls"}),)).key, None,
+    ]  # fmt: skip
+
+
 def agent_teacher_app(reply: str) -> FastAPI:
     """A teacher that plays the agent: answers ``reply`` as plain text, records what it was shown."""
     app = FastAPI()

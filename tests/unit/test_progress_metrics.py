@@ -69,3 +69,25 @@ def test_values_at_a_step_the_orchestrator_has_passed(tmp_path: Path) -> None:
     assert step == 2
     assert dict(shown)["reward"] == 0.70
     assert dict(shown)["eval acc"] == 0.5
+
+
+def test_the_tail_reads_appended_lines_only_and_starts_over_on_a_new_file(tmp_path: Path) -> None:
+    from prime_composer.metrics import MetricsLogger, MetricsTail, read_metrics
+
+    path = tmp_path / "metrics" / "teacher.jsonl"
+    tail = MetricsTail(path)
+    assert tail.read() == []  # no file yet
+    logger = MetricsLogger(tmp_path, "teacher")
+    for step in range(3):
+        logger.log(step, {"teacher/votes": step * 2})
+    assert [r["teacher/votes"] for r in tail.read()] == [0, 2, 4]
+    with path.open("ab") as f:  # a line being written: not a record yet
+        f.write(b'{"step": 3, "teacher/vo')
+    assert len(tail.read()) == 3 and tail._offset == path.stat().st_size
+    with path.open("ab") as f:
+        f.write(b'tes": 6}\n{"step": 4, "teacher/votes": 8}\n')
+    assert tail.read() == read_metrics(path) and [r["step"] for r in tail.records] == [0, 1, 2, 3, 4]
+    replaced = tmp_path / "new.jsonl"  # a run started over (overwrite): another file at the path
+    replaced.write_text(json.dumps({"step": 0, "teacher/votes": 1}) + "\n")
+    replaced.replace(path)
+    assert tail.read() == [{"step": 0, "teacher/votes": 1}]

@@ -72,8 +72,8 @@ def test_impact_edits_commands_reads_messages():
     ]  # fmt: skip
 
 
-def test_error_proximity_exit_codes_patterns_and_the_window_around_errors():
-    trace = trace_of(
+def _window_trace():
+    return trace_of(
         bash("ls"), tool("a.py"),                       # step 0: 3 before the first error
         bash("cat a.py"), tool("..."),                  # step 1: 2 before
         edit("a.py", "x", "y"), tool("ok"),             # step 2: 1 before (the planted mistake)
@@ -83,8 +83,82 @@ def test_error_proximity_exit_codes_patterns_and_the_window_around_errors():
         bash("ls"), tool("a.py"),                       # step 6: 2 after
         bash("ls"), tool("a.py"),                       # step 7: 3 after
     )  # fmt: skip
-    errors = [f.error for f in features(trace, GateConfig(error_window=2))]
+
+
+def test_error_proximity_exit_codes_patterns_and_the_window_around_errors():
+    # "proximity": every failing step marks itself (the gate before attribution).
+    cfg = GateConfig(error_window=2, error_attribution="proximity")
+    errors = [f.error for f in features(_window_trace(), cfg)]
     assert errors == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0, 1.0, 2 / 3, 1 / 3, 0.0])
+
+
+def test_a_failing_test_run_marks_the_change_that_caused_it():
+    # "cause": the failing pytest (step 3, a check) marks the edit before it (step 2; ls and cat only
+    # read), `make` failing (step 4, not a check) marks itself. Marked {2, 4}, window 2.
+    errors = [f.error for f in features(_window_trace(), GateConfig(error_window=2))]
+    assert errors == pytest.approx([1 / 3, 2 / 3, 1.0, 2 / 3, 1.0, 2 / 3, 1 / 3, 0.0])
+    cfg = GateConfig(error_window=0)
+    # The task's own failing tests (nothing changed before them) mark no step.
+    task = trace_of(bash("pytest -q"), tool("1 failed"), bash("cat a.py"), tool("..."))
+    assert [f.error for f in features(task, cfg)] == [0.0, 0.0]
+    # The latest change is blamed, through reads, `cd` and a pipeline into a read; a command that
+    # is neither a read nor a check changes the state too.
+    chain = trace_of(
+        edit("a.py", "x", "y"), tool("ok"),
+        bash("pip install foo"), tool("installed"),
+        bash("cat a.py"), tool("..."),
+        bash("cd pkg && python -m pytest -q | tail -3"), tool("FAILED test_a.py::test_x"),
+    )  # fmt: skip
+    assert [f.error for f in features(chain, cfg)] == [0.0, 1.0, 0.0, 0.0]
+    # A passing run ("0 failed" is no failure) marks nothing; an answer on a failing run marks itself.
+    done = {"role": "assistant", "content": "Fixed."}
+    passed = trace_of(
+        edit("a.py", "x", "y"), tool("ok"), bash("pytest"), tool("Exit code: 0\n3 passed, 0 failed"), done
+    )
+    assert [f.error for f in features(passed, cfg)] == [0.0, 0.0, 0.0]
+    failed = trace_of(
+        edit("a.py", "x", "y"), tool("ok"), bash("pytest"), tool("Exit code: 1\n2 failed"), done
+    )
+    assert [f.error for f in features(failed, cfg)] == [1.0, 0.0, 1.0]
+    # A failing command that is not a check (its own call failed) marks itself, edits included.
+    bad = trace_of(edit("a.py", "nope", "y"), tool("old_str not found", is_error=True), done)
+    assert [f.error for f in features(bad, cfg)] == [1.0, 1.0]
+
+
+def test_the_gate_picks_the_wrong_edit_not_the_test_run_that_shows_it():
+    """A pyfix episode as the scripted wrong-fix agent plays it (the task's failing tests, read,
+    a wrong edit, the tests still fail, "fixed"): with B = 1 and every action equally certain, the
+    gate asks the wrong edit; before attribution it asked the first test run (score 0.711 against
+    the edit's 0.618)."""
+
+    def call(name, **arguments):
+        turn = {"role": "assistant", "content": "", "logprobs": [-0.2] * 8}
+        return {**turn, "tool_calls": [{"name": name, "arguments": arguments}]}
+
+    fail = "Exit code: 1\nstdout:\nFAIL test_add: line 5: assert add(2, 3) == 5\n0 passed, 1 failed"
+    record = {
+        "task": "t",
+        "tools": [{"name": n, "parameters": {}} for n in ("run_tests", "read_file", "edit_file")],
+        "turns": [
+            {"role": "user", "content": "The tests in test_calc.py fail. Fix add in calc.py."},
+            call("run_tests"), tool(fail),
+            call("read_file", path="calc.py"), tool("def add(a, b):\n    return a - b"),
+            call("edit_file", path="calc.py", old_string="a - b", new_string="0"), tool("Edited calc.py"),
+            call("run_tests"), tool(fail),
+            {"role": "assistant", "content": "Fixed: the tests pass.", "logprobs": [-0.2] * 8},
+        ],
+    }  # fmt: skip
+    trace = parse_trace(record, "test", TraceSourceConfig())
+    turns = {name: trace.step_indices[i] for i, name in enumerate(["run", "read", "edit", "rerun", "answer"])}
+    for attribution, asked in (("cause", ["edit"]), ("proximity", ["run"])):
+        cfg = GateConfig(max_steps_per_trace=1, error_attribution=attribution)
+        f = features(trace, cfg)
+        assert select_steps(f, [1.0] * len(f), cfg) == [turns[name] for name in asked]
+
+
+def test_bad_gate_patterns_name_the_field():
+    with pytest.raises(ValueError, match=r"teacher.gate.check_commands: '\(' is not a regular expression"):
+        GateConfig(check_commands=["("])
 
 
 def test_reverted_edits_and_the_reverting_step_count_as_errors():

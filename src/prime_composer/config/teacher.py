@@ -37,6 +37,7 @@ A teacher can also be a model the ``rl`` launcher serves itself (``[teacher.pool
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -208,8 +209,9 @@ class GateConfig(BaseConfig):
         score = (1 - (1 - weight_uncertainty * u) * (1 - weight_error * e)) * stakes * novelty
 
     with ``u`` the student's uncertainty on its action (from the trace's logprobs), ``e`` its
-    proximity to an error (non-zero exits, failing tests, reverted edits, and the steps around
-    them), ``stakes = impact_floor + (1 - impact_floor) * impact`` (edits and commands over reads)
+    proximity to an error (a step whose own call failed, the step that caused a failing test run,
+    a final answer given on a failure or before any tool ran, reverted edits, and the steps around
+    them; ``error_attribution``), ``stakes = impact_floor + (1 - impact_floor) * impact`` (edits and commands over reads)
     and ``novelty`` 1 for a state never evaluated before, else ``seen_state_factor``. Either
     signal alone can make a step suspicious (a noisy-or), a read costs little to get wrong, and a
     state already labeled adds nothing. The gate keeps the ``max_steps_per_trace`` steps with the
@@ -266,6 +268,7 @@ class GateConfig(BaseConfig):
     edit_tools: list[str] = Field(
         default_factory=lambda: [
             "edit",
+            "edit_file",
             "write",
             "write_file",
             "str_replace",
@@ -284,6 +287,7 @@ class GateConfig(BaseConfig):
     read_commands: list[str] = Field(
         default_factory=lambda: [
             "cat", "ls", "grep", "rg", "find", "head", "tail", "wc", "pwd", "echo", "tree", "which", "file",
+            "cd",
         ]
     )  # fmt: skip
     """First words of shell commands that only read (``git status/diff/log/show`` count too)."""
@@ -292,7 +296,7 @@ class GateConfig(BaseConfig):
         default_factory=lambda: [
             r"Traceback \(most recent call last\)",
             r"\bFAILED\b",
-            r"\b\d+ failed\b",
+            r"\b[1-9]\d* failed\b",
             r"(?m)^\w*Error: ",
             r"\bcommand not found\b",
             r"(?i)exit (code|status):? *[1-9]",
@@ -300,10 +304,35 @@ class GateConfig(BaseConfig):
     )
     """Regular expressions that mark a tool result as an error (besides a non-zero ``exit_code``)."""
 
+    error_attribution: Literal["cause", "proximity"] = "cause"
+    """Which step a failure marks. ``cause``: a failing check (one of ``check_tools`` or
+    ``check_commands``: a test run observes the state, it does not change it) marks the latest step
+    before it that changed the state (an edit or a command that is neither a read nor a check), or
+    no step when none did (the task's own failing tests); any other failing step marks itself; a
+    final answer given while the latest tool result is a failure marks itself. ``proximity`` (the
+    gate before attribution): every failing step marks itself, so a test run that shows a mistake
+    outranks the edit that made it."""
+
+    check_tools: list[str] = Field(
+        default_factory=lambda: ["run_tests", "run_test", "test", "tests", "pytest"]
+    )
+    """Tool names that run checks (tests): their failures are blamed on the step that caused them."""
+
+    check_commands: list[str] = Field(
+        default_factory=lambda: [
+            r"(python3? -m )?(pytest|py\.test|unittest|tox|nox)\b",
+            r"(npm|yarn|pnpm) (run )?test\b",
+            r"(go|cargo|dotnet) test\b",
+            r"make (test|check)\b",
+        ]
+    )
+    """Regular expressions matched at the start of each part of a shell command (split at ``|``,
+    ``&&``, ``||``, ``;``; words joined by one space) that mark it as a check (a command is one
+    when every part is a check or a read)."""
+
     error_window: int = Field(default=2, ge=0)
-    """Steps before an error (the mistake usually comes a step or two before the test run that
-    exposes it) and after one (how the agent reacts to a failure) that count as close to it, with
-    proximity ``1 - distance / (error_window + 1)``."""
+    """Steps before a marked step and after one (the step after a mistake often builds on it) that
+    count as close to it, with proximity ``1 - distance / (error_window + 1)``."""
 
     cascade: bool = True
     """Ask the cheapest teacher first and the others only when it disagrees with the trace, fails,
@@ -320,6 +349,14 @@ class GateConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
+        for i, pattern in enumerate([*self.error_patterns, *self.check_commands]):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                field = "error_patterns" if i < len(self.error_patterns) else "check_commands"
+                raise ValueError(
+                    f"teacher.gate.{field}: {pattern!r} is not a regular expression ({e})"
+                ) from e
         if self.weight_uncertainty == 0 and self.weight_error == 0:
             raise ValueError(
                 "teacher.gate: weight_uncertainty and weight_error are both 0, so every score is 0; "
@@ -497,6 +534,12 @@ class TeacherServiceConfig(BaseConfig):
 
     poll_s: float = Field(default=2.0, gt=0.0)
     """How often a serving process looks for new work when idle."""
+
+    metrics_interval_s: float = Field(default=5.0, gt=0.0)
+    """Least time between two rows of the service's summary metrics (``metrics/teacher.jsonl``; one
+    more at the end). Each reads the whole store (counts, spend, the gate's calibration over every
+    label), so a busy service that logged after every posted batch spent the RL step's CPU on them
+    (725 rows in a 60-step quickstart-replay run at ``poll_s = 0.5``)."""
 
     nice: int = Field(default=0, ge=0, le=19)
     """CPU niceness the service adds to itself at start, and that ``rl`` adds to the servers of its

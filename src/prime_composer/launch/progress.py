@@ -18,7 +18,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from prime_composer.config.channels import Column, channels
-from prime_composer.metrics import read_metrics
+from prime_composer.metrics import MetricsTail
 
 # Shown when present, the first matching key of each winning; every channel's columns go
 # between these (``config/channels.py``: ``ChannelSpec.columns``).
@@ -54,10 +54,19 @@ class Progress:
         self.start = time.monotonic()
         self._last_printed_step = -1
         self._live: Live | None = None
+        self._tails: dict[str, MetricsTail] = {}
+        """One per process: each tick parses only the lines appended since the last (the launcher
+        ticks five times a second, and the teacher service's file grows by hundreds of lines)."""
+
+    def _records(self, process: str) -> list[dict[str, Any]]:
+        tail = self._tails.get(process)
+        if tail is None:
+            tail = self._tails[process] = MetricsTail(self.metrics_dir / f"{process}.jsonl")
+        return tail.read()
 
     def latest(self, processes: set[str]) -> dict[str, dict[str, Any]]:
         return {
-            process: (records[-1] if (records := read_metrics(self.metrics_dir / f"{process}.jsonl")) else {})
+            process: (records[-1] if (records := self._records(process)) else {})
             for process in {"trainer", *processes}
         }
 
@@ -68,9 +77,7 @@ class Progress:
         # The orchestrator samples up to max_async_level steps ahead of the trainer, so its newest
         # record is a later batch than the trainer's step: show the record of the same step (for a
         # key logged every few steps, like eval/accuracy, the newest at or before it).
-        orchestrator = [
-            r for r in read_metrics(self.metrics_dir / "orchestrator.jsonl") if r.get("step", 0) <= step
-        ]
+        orchestrator = [r for r in self._records("orchestrator") if r.get("step", 0) <= step]
         shown = []
         for column in shown_columns:
             for key in column.keys:

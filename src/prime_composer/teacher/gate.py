@@ -6,20 +6,26 @@ Per step (an assistant turn), four features in [0, 1]:
   sampled tokens, i.e. one minus their geometric-mean probability (``default_uncertainty`` when the
   trace has no logprobs);
 - **impact** of the action: edits > commands > plain messages > reads (``impact_*``);
-- **error proximity**: 1 for a step whose tool result is an error (non-zero ``exit_code``,
-  ``is_error``, or one of ``error_patterns`` such as a traceback or failing tests), whose edit is
-  later reverted, or that reverts an edit, or that answers before any tool ran in a trace that
-  offers tools (nothing checked); ``1 - distance / (error_window + 1)`` for the
-  ``error_window`` steps before and after such a step (the mistake usually comes a step or two
-  before the test run that exposes it; the step after a failure is how the agent reacts to it);
-  0 otherwise;
+- **error proximity**: 1 for a step marked by a failure, whose edit is later reverted, or that
+  reverts an edit, or that answers before any tool ran in a trace that offers tools (nothing
+  checked); ``1 - distance / (error_window + 1)`` for the ``error_window`` steps before and after
+  such a step; 0 otherwise. A tool result is a failure when its ``exit_code`` is non-zero, it
+  ``is_error``, or it matches one of ``error_patterns`` (a traceback, failing tests). Which step a
+  failure marks (``error_attribution = "cause"``): a check (a test run, ``check_tools`` /
+  ``check_commands``) only shows the state, so its failure marks the latest earlier step that
+  changed the state (an edit, or a command that neither reads nor checks), or no step when none
+  did (the task's own failing tests are no mistake); a failing step of any other kind marks
+  itself (its own call failed); and a final answer given while the latest tool result is a
+  failure marks itself (it gives up, or claims a fix the tests deny). ``"proximity"`` marks every
+  failing step itself, the gate before attribution: there a test run that shows a mistake
+  outranked the edit that made it;
 - **novelty**: 1 when the state hash was never evaluated before, else 0.
 
 They combine as "evidence of a mistake times what is at stake" (``GateConfig``'s docstring has
 the formula): a noisy-or of uncertainty and error proximity, times the action's stakes and its
-novelty. How it departs from the issue's sketch: proximity is to *every* error, not only the
-first, because an agent's trace usually starts with a failing test run that is the task, not a
-mistake; the window covers the step after an error too. The gate keeps at most
+novelty. How it departs from the issue's sketch: proximity is to *every* marked step, not only
+the first; the window covers the step after one too (the step after a mistake often builds on
+it). The gate keeps at most
 ``max_steps_per_trace`` steps with score ``>= min_score``, ranked by score per expected dollar
 (``costs``, from the pool's prices and the prompt's size). With the gate off, every step is asked.
 """
@@ -117,15 +123,7 @@ def _is_read_only(words: list[str], read_commands: set[str]) -> bool:
     if words[0] == "git":
         return len(words) > 1 and words[1] in _READ_GIT
     # A pipeline or command list is read-only only if every part is.
-    parts: list[list[str]] = []
-    current: list[str] = []
-    for word in words:
-        if word in ("|", "&&", "||", ";"):
-            parts.append(current)
-            current = []
-        else:
-            current.append(word)
-    parts.append(current)
+    parts = _parts(words)
     if len(parts) > 1:
         return all(_is_read_only(p, read_commands) for p in parts)
     return words[0] in read_commands and not any(w.startswith(">") for w in words)
@@ -144,27 +142,79 @@ def _edited_path(action: Action) -> list[tuple[str, str | None, str | None]]:
     return out
 
 
+def _is_check(action: Action, cfg: GateConfig) -> bool:
+    """Whether every call of ``action`` runs a check (a test run) or only reads, with one check at
+    least: it observes the state, so a failure it shows was caused by an earlier step."""
+    checks = {t.lower() for t in cfg.check_tools}
+    reads = {t.lower() for t in cfg.read_tools}
+    commands = {c.lower() for c in cfg.read_commands}
+    patterns = [re.compile(p) for p in cfg.check_commands]
+    found = False
+    for call in action.calls:
+        if call.name in checks:
+            found = True
+            continue
+        if call.name in reads:
+            continue
+        words = _command_words(Action(calls=(call,)))
+        if not words:
+            return False
+        for parts in (_parts(w) for w in words):
+            for part in parts:
+                if any(p.match(" ".join(part)) for p in patterns):
+                    found = True
+                elif not _is_read_only(part, commands):
+                    return False
+    return found
+
+
+def _changes_state(action: Action, cfg: GateConfig) -> bool:
+    """An edit, or a command that is neither a read nor a check."""
+    return not action.is_message and impact(action, cfg) > cfg.impact_read and not _is_check(action, cfg)
+
+
+def _parts(words: list[str]) -> list[list[str]]:
+    parts: list[list[str]] = [[]]
+    for word in words:
+        if word in ("|", "&&", "||", ";"):
+            parts.append([])
+        else:
+            parts[-1].append(word)
+    return [p for p in parts if p]
+
+
 def error_steps(trace: Trace, cfg: GateConfig) -> tuple[set[int], set[int]]:
-    """``(failed, reverted)``: positions (among the trace's steps) whose tool results are errors, and
-    whose edits a later step undoes (the inverse ``str_replace``, or ``git checkout/restore/reset``)
+    """``(failed, reverted)``: positions (among the trace's steps) marked by a failure
+    (``cfg.error_attribution``: the failing step itself, or the step that caused it), and whose
+    edits a later step undoes (the inverse ``str_replace``, or ``git checkout/restore/reset``)
     together with the steps that undo them."""
     patterns = [re.compile(p) for p in cfg.error_patterns]
     steps = trace.step_indices
     failed: set[int] = set()
     reverted: set[int] = set()
     edits: list[tuple[int, str, str | None, str | None]] = []
+    changed: int | None = None  # the latest step that changed the state
+    failing = False  # whether the latest tool result so far is a failure
     for position, turn_index in enumerate(steps):
         end = steps[position + 1] if position + 1 < len(steps) else len(trace.turns)
-        for result in trace.turns[turn_index + 1 : end]:
-            if result.role != "tool":
-                continue
-            if (
+        action = turn_action(trace.turns[turn_index])
+        if cfg.error_attribution == "cause" and action.is_message and failing:
+            failed.add(position)  # an answer given on a failure (gives up, or claims it is fixed)
+        if _changes_state(action, cfg):
+            changed = position
+        results = [r for r in trace.turns[turn_index + 1 : end] if r.role == "tool"]
+        for result in results:
+            failing = (
                 (result.exit_code not in (None, 0))
                 or result.is_error
                 or any(p.search(result.content) for p in patterns)
-            ):
+            )
+            if not failing:
+                continue
+            if cfg.error_attribution == "proximity" or not _is_check(action, cfg):
                 failed.add(position)
-        action = turn_action(trace.turns[turn_index])
+            elif changed is not None:
+                failed.add(changed)  # a check shows the failure; the latest change caused it
         for path, old, new in _edited_path(action):
             for earlier, epath, eold, enew in edits:
                 if epath == path and old is not None and old == enew and new == eold:

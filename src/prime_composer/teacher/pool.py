@@ -366,8 +366,8 @@ class StudentSampler:
         samples = []
         for choice in result.data.get("choices", []):
             message = choice.get("message") or {}
-            try:
-                action: Action | None = parse_answer(message)
+            try:  # a student sample is a turn of the agent: read as the student's own turns are
+                action: Action | None = parse_agent_reply(message)
             except ParseError:
                 action = None
             ids = choice.get("token_ids")

@@ -233,9 +233,9 @@ class _ReplayThread:
                 iteration += 1
                 labeled_since += labeled
                 # The summary reads the whole store (the gate's calibration over every label): at
-                # most once per poll_s, or a service woken by every posted batch spends its CPU
-                # (on shared cores, the RL step's) on metrics.
-                if time.monotonic() - logged_at >= self.cfg.poll_s:
+                # most once per metrics_interval_s, or a service woken by every posted batch spends
+                # its CPU (on shared cores, the RL step's) on metrics.
+                if time.monotonic() - logged_at >= self.cfg.metrics_interval_s:
                     log()
                 if labeled == 0:
                     await _wait(self._wake, self.cfg.poll_s)
