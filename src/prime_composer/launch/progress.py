@@ -2,7 +2,9 @@
 
 On a terminal it is a rich panel that refreshes in place; elsewhere (CI, a log file) it prints
 one plain line per new trainer step. It only reads ``<output_dir>/metrics/*.jsonl``, so it shows
-the same numbers a user would plot afterwards.
+the same numbers a user would plot afterwards. The final eval runs after the trainer's last step
+(``orchestrator/loop.py`` logs it under step ``max_steps``), so no step's line can show it:
+``close`` prints one more line for that step.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Progress:
         self.live = live and self.console.is_terminal
         self.start = time.monotonic()
         self._last_printed_step = -1
+        self._statuses: dict[str, str] = {}
         self._live: Live | None = None
         self._tails: dict[str, MetricsTail] = {}
         """One per process: each tick parses only the lines appended since the last (the launcher
@@ -70,14 +73,24 @@ class Progress:
             for process in {"trainer", *processes}
         }
 
-    def values(self) -> tuple[int, list[tuple[str, Any]]]:
+    def values(self, *, final: bool = False) -> tuple[int, list[tuple[str, Any]]]:
+        """The step shown and its ``(label, value)`` columns: the trainer's newest step. ``final``
+        (the run has ended): the orchestrator's record at or after ``max_steps`` instead, when
+        there is one (the final eval, run after the trainer's last step), with only what that
+        record holds."""
         shown_columns = columns()
         latest = self.latest({column.process for column in shown_columns})
         step = int(latest["trainer"].get("step", 0))
+        records = self._records("orchestrator")
+        end = [r for r in records if final and r.get("step", 0) >= max(self.max_steps, step + 1)]
+        if end:
+            step = int(end[-1]["step"])
+            records = [r for r in end if r["step"] == step]
+            shown_columns = [c for c in shown_columns if c.process == "orchestrator"]
         # The orchestrator samples up to max_async_level steps ahead of the trainer, so its newest
         # record is a later batch than the trainer's step: show the record of the same step (for a
         # key logged every few steps, like eval/accuracy, the newest at or before it).
-        orchestrator = [r for r in self._records("orchestrator") if r.get("step", 0) <= step]
+        orchestrator = [r for r in records if r.get("step", 0) <= step]
         shown = []
         for column in shown_columns:
             for key in column.keys:
@@ -92,7 +105,11 @@ class Progress:
         return step, shown
 
     def tick(self, statuses: dict[str, str]) -> None:
-        step, shown = self.values()
+        self._statuses = statuses
+        self._show(*self.values())
+
+    def _show(self, step: int, shown: list[tuple[str, Any]]) -> None:
+        statuses = self._statuses
         if self.live:
             if self._live is None:
                 self._live = Live(
@@ -109,6 +126,9 @@ class Progress:
             )
 
     def close(self) -> None:
+        """Show the run's end (the final eval, logged after the last trainer step), then stop."""
+        if self._live is not None or not self.live:
+            self._show(*self.values(final=True))
         if self._live is not None:
             self._live.stop()
             self._live = None

@@ -56,6 +56,16 @@ from prime_composer.wire.auth import inference_signer_from_env
 logger = logging.getLogger(__name__)
 
 
+def log_metrics(metrics_logger: MetricsLogger, step: int, metrics: dict[str, Any]) -> None:
+    """Append ``metrics`` as the record of ``step`` and, when it holds an eval, log the held-out
+    accuracies under the same step (the final eval comes after the last training step, under step
+    ``max_steps``), so that the log, the file and the progress line show the same numbers."""
+    metrics_logger.log(step, metrics)
+    evals = {k: v for k, v in metrics.items() if k.startswith("eval/") and k.endswith("accuracy")}
+    if evals:
+        logger.info("step %d: held-out %s", step, ", ".join(f"{k}={v:.4g}" for k, v in evals.items()))
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -150,7 +160,7 @@ class Orchestrator:
                 if config.eval.interval and self._has_eval():
                     # The last batch's weights are published after the trainer's final step.
                     policy_step = await policy.ensure(final)
-                    self.metrics.log(final, await self.evaluate(runner, eval_sampling, policy_step))
+                    log_metrics(self.metrics, final, await self.evaluate(runner, eval_sampling, policy_step))
         finally:
             sender.close()
             await policy.aclose()
@@ -214,9 +224,9 @@ class Orchestrator:
         metrics.update(stats.metrics())
         if len(self.pool.replicas) > 1:
             metrics.update(self.pool.metrics())
-        self.metrics.log(step, metrics)
+        log_metrics(self.metrics, step, metrics)
         logger.info(
-            "step %d: reward %.3f, %d samples, policy lag %s",
+            "step %d: reward %.4g, %d samples, policy lag %s",
             step,
             metrics.get("reward/mean", float("nan")),
             len(rollouts.kept),
