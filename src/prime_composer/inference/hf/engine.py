@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from prime_composer.inference.hf.allocator import keep_freed_memory
 from prime_composer.inference.hf.constrain import CallConstraint, ConstraintCache
 from prime_composer.inference.hf.detokenize import IncrementalDetokenizer
 from prime_composer.inference.hf.fused_decoder import FusedDecoder, fused_decoder
@@ -146,6 +147,8 @@ class Engine:
         self._cache: BatchKVCache | None = None
         self._swap: _Swap | None = None
         self._weights = WeightSwapper(model)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # no page faults for each step's megabytes of fresh tensors
         self._head = packed_output_head(model)
         self._fused: FusedDecoder | None = None
         if fused_layers and self._head is not None:  # it ends at the last hidden state: the head follows
