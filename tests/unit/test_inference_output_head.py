@@ -57,13 +57,14 @@ def test_logits_match_a_float64_product_and_follow_weight_changes(tiny):
     with torch.inference_mode():
         expected = hidden.double() @ weight.double().T
         assert (head(hidden).double() - expected).abs().max().item() < 1e-4
-        weight.mul_(2.0)  # an in-place update, as a weight swap does
+        weight.mul_(2.0)  # an in-place update, as a weight swap does, and nobody calls refresh
         try:
-            assert (head(hidden).double() - expected).abs().max().item() < 1e-4  # stale until refresh
+            assert (head(hidden).double() - 2 * expected).abs().max().item() < 1e-4  # repacked
             head.refresh()
             assert (head(hidden).double() - 2 * expected).abs().max().item() < 1e-4
         finally:
             weight.div_(2.0)
+        assert (head(hidden).double() - expected).abs().max().item() < 1e-4
 
 
 def test_models_whose_logits_differ_keep_their_own_forward(tiny):

@@ -14,11 +14,13 @@ the thread
 A request with ``n`` choices is prefilled once and its cache row copied ``n`` times. Prompts of
 one prefill batch that start with the same tokens (a system prompt) run that prefix once
 (``MIN_SHARED_PREFIX`` tokens at least). Logits come from the decoder's last hidden states through
-``output_head`` (a prepacked output layer on CPU) when that computes the model's own logits.
+``output_head`` (a prepacked output layer on CPU) when that computes the model's own logits, and
+the decoder layers through ``fused_decoder`` (prepacked, fused oneDNN products) when that computes
+the model's own decoder; otherwise the model's own forward runs.
 
-Where a decode step's time goes (SmolLM2-135M, 16 rows, 1 CPU thread): ~80% in the linear
-layers' matrix products, ~5% attention, the rest norms, activations and sampling; the loop's own
-Python is ~1%. The numbers and what limits them are in ``bench/README.md``.
+Where a decode step's time goes (SmolLM2-135M, 16 rows, 1 CPU thread, fused layers): ~70% in the
+linear layers' matrix products (~91 ms CPU per step, against ~129 ms with the model's own forward),
+~15% attention, the rest norms, rotary embeddings and sampling. The numbers and what limits them are in ``bench/README.md``.
 
 Weight swaps (``update_weights``) are atomic per request: once a swap is pending no new request
 is admitted, the running ones finish on the old weights, the weights are swapped between two
@@ -49,8 +51,10 @@ from typing import Any
 
 import torch
 
+from prime_composer.inference.hf.allocator import keep_freed_memory
 from prime_composer.inference.hf.constrain import CallConstraint, ConstraintCache
 from prime_composer.inference.hf.detokenize import IncrementalDetokenizer
+from prime_composer.inference.hf.fused_decoder import FusedDecoder, fused_decoder
 from prime_composer.inference.hf.kv_cache import BatchKVCache, RowSource, gather
 from prime_composer.inference.hf.output_head import packed_output_head
 from prime_composer.inference.hf.sampling import make_generator, sample_rows
@@ -108,8 +112,9 @@ class Engine:
 
     ``max_model_len`` bounds prompt + ``max_tokens``; ``max_num_seqs`` sequences are decoded
     together at most; ``max_prefill_tokens`` bounds one prefill forward (see ``InferenceConfig``);
-    ``seed`` seeds the generators of requests that bring no seed. ``start`` before use, ``stop``
-    at the end (it fails whatever is still waiting or running).
+    ``seed`` seeds the generators of requests that bring no seed; ``fused_layers=False`` keeps the
+    model's own decoder forward even where ``fused_decoder`` could replace it (for comparisons).
+    ``start`` before use, ``stop`` at the end (it fails whatever is still waiting or running).
     """
 
     def __init__(
@@ -121,6 +126,7 @@ class Engine:
         max_num_seqs: int = 64,
         max_prefill_tokens: int = 8192,
         seed: int = 0,
+        fused_layers: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -141,7 +147,12 @@ class Engine:
         self._cache: BatchKVCache | None = None
         self._swap: _Swap | None = None
         self._weights = WeightSwapper(model)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # no page faults for each step's megabytes of fresh tensors
         self._head = packed_output_head(model)
+        self._fused: FusedDecoder | None = None
+        if fused_layers and self._head is not None:  # it ends at the last hidden state: the head follows
+            self._fused = fused_decoder(model, rows=min(max_num_seqs, 64))
         self._constraints = ConstraintCache(tokenizer, self.vocab_size)
         self.constraint_seconds = 0.0
         """Time spent masking logits for forced tool calls (a statistic: ``hf.constrain``)."""
@@ -344,12 +355,7 @@ class Engine:
             prefix = torch.ones((len(prompts), length, num_shared), dtype=torch.bool, device=self.device)
             allowed = torch.cat([prefix, allowed], dim=-1)
         positions = num_shared + (q.unsqueeze(0) - starts.unsqueeze(1)).clamp(min=0)
-        last_logits = self._forward_last(
-            input_ids=input_ids,
-            attention_mask=self._mask(allowed.unsqueeze(1)),
-            position_ids=positions,
-            past_key_values=cache,
-        )
+        last_logits = self._forward_last(input_ids, positions, allowed.unsqueeze(1), cache)
         if num_shared:
             # Row r holds [prefix | r's padding | r's suffix]; move its prefix right, next to its
             # suffix, so that every row is again one run of columns [start, length).
@@ -374,13 +380,17 @@ class Engine:
         q = torch.arange(len(prefix), device=self.device)
         causal = (q.unsqueeze(0) <= q.unsqueeze(1))[None, None]  # [1, 1, query, key]
         # The decoder alone: the prefix's logits are not needed.
-        self.model.get_decoder()(
-            input_ids=torch.tensor([prefix], device=self.device),
-            attention_mask=self._mask(causal),
-            position_ids=q.unsqueeze(0),
-            past_key_values=cache,
-            use_cache=True,
-        )
+        ids = torch.tensor([prefix], device=self.device)
+        if self._fused is not None:
+            self._fused(ids, q.unsqueeze(0), causal, cache)
+        else:
+            self.model.get_decoder()(
+                input_ids=ids,
+                attention_mask=self._mask(causal),
+                position_ids=q.unsqueeze(0),
+                past_key_values=cache,
+                use_cache=True,
+            )
         repeated, _ = gather([RowSource(cache, [0] * num_rows, 0)])
         return repeated
 
@@ -392,18 +402,28 @@ class Engine:
         columns = torch.arange(length + 1, device=self.device)
         allowed = columns.unsqueeze(0) >= starts.unsqueeze(1)  # [row, key]
         logits = self._forward_last(
-            input_ids=input_ids,
-            attention_mask=self._mask(allowed[:, None, None, :]),
-            position_ids=(length - starts).unsqueeze(1),
-            past_key_values=self._cache,
+            input_ids, (length - starts).unsqueeze(1), allowed[:, None, None, :], self._cache
         )
         self._sample_and_accept(self._rows, logits)
 
-    def _forward_last(self, **inputs: Any) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` at the last position of a forward over ``inputs``."""
+    def _forward_last(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache: BatchKVCache
+    ) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` at the last position of a forward of ``input_ids`` ``[rows, q]``
+        at ``positions``, attending where ``allowed`` (bool ``[rows, 1, q, keys]``), over ``cache``."""
+        if self._fused is not None:
+            assert self._head is not None
+            return self._head(self._fused(input_ids, positions, allowed, cache))
+        inputs = {
+            "input_ids": input_ids,
+            "attention_mask": self._mask(allowed),
+            "position_ids": positions,
+            "past_key_values": cache,
+            "use_cache": True,
+        }
         if self._head is None:
-            return self.model(**inputs, use_cache=True, logits_to_keep=1).logits[:, -1]
-        hidden = self.model.get_decoder()(**inputs, use_cache=True).last_hidden_state
+            return self.model(**inputs, logits_to_keep=1).logits[:, -1]
+        hidden = self.model.get_decoder()(**inputs).last_hidden_state
         return self._head(hidden[:, -1].contiguous())
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -543,6 +563,8 @@ class Engine:
             self._weights.apply(swap.state_dict)
             if self._head is not None:
                 self._head.refresh()
+            if self._fused is not None:
+                self._fused.refresh()
             return None
         except Exception as e:
             logger.exception("weight swap failed")

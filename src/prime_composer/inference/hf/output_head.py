@@ -12,7 +12,9 @@ last position. It is used only where it is the same computation: a CPU model wit
 torch built with oneDNN, and a model whose own forward does nothing after its output layer
 (checked once on a probe input: logit soft-capping or scaling would fail it). Otherwise the
 engine uses the model's own forward, and the log says which path is taken. The packed copy
-(vocab x hidden floats) must be rebuilt after the weights change (``refresh``).
+(vocab x hidden floats) is rebuilt after the weights change: by ``refresh``, and on any call
+that finds the weight's version counter moved since packing (an in-place write), so a stale copy
+is never used.
 """
 
 from __future__ import annotations
@@ -35,16 +37,19 @@ class PackedOutputHead:
         self._model = model
         self._weight: torch.Tensor = model.get_output_embeddings().weight
         self._bias: torch.Tensor | None = model.get_output_embeddings().bias
-        self._packed = self._pack()
+        self.refresh()
+
+    def _versions(self) -> tuple[int, int]:
+        return self._weight._version, -1 if self._bias is None else self._bias._version
 
     def refresh(self) -> None:
         """Repack after the output layer's weights changed in place."""
-        self._packed = self._pack()
-
-    def _pack(self) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(self._weight.detach(), _PACK_ROWS)
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(self._weight.detach(), _PACK_ROWS)
+        self._packed_versions = self._versions()
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._versions() != self._packed_versions:
+            self.refresh()
         return torch.ops.mkldnn._linear_pointwise(hidden, self._packed, self._bias, "none", [None], "")
 
 
