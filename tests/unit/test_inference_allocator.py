@@ -42,5 +42,8 @@ def _faults_per_call(keep: bool) -> float:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings are Linux-only")
 def test_a_steps_tensors_reuse_the_heap_instead_of_faulting_in_again():
     # 16 x 49,152 float64 is 1,536 pages: without the settings every call faults them in again.
-    assert _faults_per_call(keep=False) > 1000
-    assert _faults_per_call(keep=True) < 200
+    without = _faults_per_call(keep=False)
+    assert without > 1000
+    # With the settings most calls fault nothing; now and then one call faults one buffer in again
+    # (0 in most of 8 runs, at most 307 per call against ~3,000 without).
+    assert _faults_per_call(keep=True) < without / 4
