@@ -54,6 +54,7 @@ from pydantic import Field
 
 from prime_composer.config.env import AgentLoopConfig, EnvConfig, OpenEnvConfig
 from prime_composer.config.ports import free_port
+from prime_composer.health import wait_healthy
 from prime_composer.orchestrator.agent_task import AgentState, AgentTaskData
 from prime_composer.orchestrator.episode import EnvironmentFailure
 from prime_composer.process_group import die_with_parent, stop_group
@@ -581,21 +582,19 @@ def serve_app(source: OpenEnvConfig, where: str = "openenv") -> str:
     )
     atexit.register(stop_group, child, 10.0)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + source.startup_timeout_s
-    while True:
-        if child.poll() is not None or time.monotonic() > deadline:
-            stop_group(child, 5.0)
-            tail = Path(log.name).read_text(errors="replace")[-2000:]
-            state = f"exited with {child.returncode}" if child.returncode is not None else "did not answer"
-            raise ValueError(
-                f"{where}: the OpenEnv app {source.app!r} {state} within {source.startup_timeout_s:g} s "
-                f"(openenv.startup_timeout_s); its log {log.name} ends:\n{tail}"
-            )
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    waited = wait_healthy(
+        f"{url}/health",
+        source.startup_timeout_s,
+        poll_s=0.2,
+        give_up=lambda: None if child.poll() is None else "exited",
+    )
+    if not waited.healthy:
+        stop_group(child, 5.0)
+        tail = Path(log.name).read_text(errors="replace")[-2000:]
+        state = f"exited with {child.returncode}" if child.returncode is not None else "did not answer"
+        raise ValueError(
+            f"{where}: the OpenEnv app {source.app!r} {state} within {source.startup_timeout_s:g} s "
+            f"(openenv.startup_timeout_s); its log {log.name} ends:\n{tail}"
+        )
     _served[key] = url
     return url
