@@ -23,7 +23,7 @@ from typing import Any
 import httpcore
 import httpx
 
-from prime_composer.wire.tls import client_context, fingerprint_of_der
+from prime_composer.wire.tls import client_context, pin_mismatch
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ class _PinnedStream(httpcore.AsyncNetworkStream):
         stream = await self._inner.start_tls(ssl_context, server_hostname, timeout)
         ssl_object = stream.get_extra_info("ssl_object")
         der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
-        got = fingerprint_of_der(der) if der else "no certificate"
-        if got != self._fingerprint:
+        got = pin_mismatch(der, self._fingerprint)
+        if got is not None:
             await stream.aclose()
             raise httpcore.ConnectError(
                 f"https://{server_hostname} presented certificate {got}, but {self._fingerprint} is pinned "

@@ -114,11 +114,17 @@ def client_context() -> ssl.SSLContext:
     return ctx
 
 
+def pin_mismatch(der: bytes | None, expected: str) -> str | None:
+    """What the peer presented (its fingerprint, or "no certificate") when it is not ``expected``;
+    None when the pin holds."""
+    got = fingerprint_of_der(der) if der else "no certificate"
+    return None if got == expected else got
+
+
 def check_pin(sock: ssl.SSLSocket, expected: str, where: str) -> None:
     """``PinError`` unless the peer's certificate has fingerprint ``expected``."""
-    der = sock.getpeercert(binary_form=True)
-    got = fingerprint_of_der(der) if der else "no certificate"
-    if got != expected:
+    got = pin_mismatch(sock.getpeercert(binary_form=True), expected)
+    if got is not None:
         raise PinError(
             f"{where} presented certificate {got}, but {expected} is pinned for it in peers[].fingerprint: "
             "refusing to talk to it (a wrong pin, a regenerated certificate, or someone in the middle)"
