@@ -8,8 +8,9 @@ tasks carry, right before the answer, the hint message exactly as ``orchestrator
 
 - ``sibling``: ``Hint: A correct answer to this task was:\\n<answer>`` (``sibling_format``);
 - ``feedback``: ``Hint: Feedback on a previous attempt at this step:\\n'<wrong>' is not <op> of
-  <letters>.`` (``feedback_format`` around the strops environment's own feedback text), the wrong
-  reply being the answer with two letters swapped or one changed.
+  <letters>: letter <i> should be <x>.`` (``feedback_format`` around the strops environment's own
+  feedback text, ``feedback_text``), the wrong reply being the answer with two letters swapped or
+  one changed.
 
 The rest are plain chats. Only train-split strings are used (never the held-out ones).
 
@@ -27,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "environments" / "strops"))
 
-from strops.taskset import StropsConfig, prompt_text, spaced, split_tasks, transform
+from strops.taskset import StropsConfig, feedback_text, prompt_text, spaced, split_tasks, transform
 
 from prime_composer.config.sdpo import HintConfig
 from prime_composer.io import atomic_write_text
@@ -77,8 +78,7 @@ def hinted_chats(
             elif u < sibling + feedback and len(answer.split()) >= 2:
                 kind = "feedback"
                 reply = wrong_reply(rng, answer, alphabet)
-                text = f"{reply[:40]!r} is not {op} of {spaced(letters)}."
-                messages.append(hint_message(cfg, "feedback", text))
+                messages.append(hint_message(cfg, "feedback", feedback_text(reply, op, letters)))
             else:
                 kind = "plain"
             messages.append({"role": "assistant", "content": answer})

@@ -42,29 +42,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = [item for _, file_items in ordered for item in file_items]
 
 
-_WARMUP_SCRIPT = """
-import sys
-
-from prime_composer.launch import rl
-from prime_composer.launch.launcher import Launcher
-
-
-def warm_up(config, argv):
-    # The launcher's own warm-up stage (data from the environments, then sft), without RL.
-    specs, final = rl.warmup_specs(config, rl.write_resolved_configs(config))
-    for spec in specs:
-        result = Launcher([spec], config.output_dir / "logs").run()
-        if result.exit_code != 0:
-            print(f"warm-up failed ({result.reason})", flush=True)
-            return result.exit_code
-    return 0
-
-
-rl.launch = warm_up
-rl.main(sys.argv[1:])
-"""
-
-
 def _shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This test run's temporary root, shared by the xdist workers (each has its own basetemp
     below it); never the repository or $HOME."""
@@ -87,8 +64,14 @@ def warmed_model(tmp_path_factory: pytest.TempPathFactory, config: str, *overrid
     with open(root / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for the same warm-up
         if not (root / "done").exists():
-            command = [sys.executable, "-c", _WARMUP_SCRIPT, "@", str(repo / "configs" / config)]
-            command += ["--output-dir", str(root / "run"), *overrides]
+            command = [sys.executable, "-m", "prime_composer.launch.rl", "@", str(repo / "configs" / config)]
+            command += [
+                "--output-dir",
+                str(root / "run"),
+                "--no-launch.progress",
+                *overrides,
+                "--warmup.only",
+            ]
             proc = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=900)
             assert proc.returncode == 0 and (final / "config.json").is_file(), proc.stdout + proc.stderr
             (root / "done").touch()

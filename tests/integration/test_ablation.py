@@ -32,14 +32,34 @@ FAKE_RL = textwrap.dedent(
     cfg = tomllib.loads(path.read_text())
     fake = cfg.get("fake", {})
     steps = cfg.get("max_steps", 3)
+    warmup = cfg.get("warmup", {})
     resolved = {"max_steps": steps, "orchestrator": {"batch_size": 8, "group_size": 4, "env": []}}
+    if "enabled" in warmup:  # the keys a shared warm-up is checked on, as rl resolves them
+        resolved["warmup"] = warmup
+        resolved["model"] = cfg.get("model", {"name": "tiny"})
+        optim = {"lr": 1e-3, "betas": [0.9, 0.99], **cfg.get("trainer", {}).get("optim", {})}
+        resolved["trainer"] = {"optim": optim}
     if "--dry-run" in sys.argv:
         print(json.dumps(resolved))
         sys.exit(0)
     out = Path(cfg["output_dir"])
+    if warmup.get("only"):  # rl --warmup.only: the warm-up's model, nothing else
+        with (out.parent / "calls.txt").open("a") as f:
+            f.write(f"{cfg['seed']}\\n")
+        if cfg["seed"] in fake.get("fail_warmup_seeds", []):
+            print("the warm-up broke", file=sys.stderr)
+            sys.exit(4)
+        final = out / "sft" / "final"
+        final.mkdir(parents=True, exist_ok=True)
+        (final / "config.json").write_text("{}")
+        (final / "model.safetensors").write_bytes(b"weights of seed %d" % cfg["seed"])
+        sys.exit(0)
     calls = out.parent / "calls.txt"
     with calls.open("a") as f:
         f.write(f"{cfg['seed']}\\n")
+    if warmup.get("enabled") is False and "model" in cfg:
+        with (out.parent / "models.txt").open("a") as f:
+            f.write(f"{cfg['seed']} {cfg['model']['name']}\\n")
     if cfg["seed"] in fake.get("fail_seeds", []):
         print("something broke in this run", file=sys.stderr)
         sys.exit(3)
@@ -162,6 +182,73 @@ def test_a_subset_of_arms_and_seeds_from_the_command_line(tmp_path: Path) -> Non
     assert [(r["arm"], r["seed"]) for r in data["runs"]] == [("better", 1)]
     with pytest.raises(ConfigError, match="--arms: 'nope' is not an arm"):
         ablate.load_config(path, {"only_arms": ["nope"]})
+
+
+WARM = """
+base = ["base.toml"]
+seeds = [0, 1]
+set = { "warmup.enabled" = true }
+[arms.grpo]
+[arms.better]
+set = { "fake.gain" = 0.1, "trainer.optim.lr" = 3e-3 }
+"""
+
+
+def _warmups(tmp_path: Path) -> list[str]:
+    p = tmp_path / "out" / "warmups" / "calls.txt"
+    return p.read_text().split() if p.exists() else []
+
+
+def test_arms_of_a_seed_start_from_one_shared_warmup_which_a_rerun_reuses(tmp_path: Path) -> None:
+    path = _write(tmp_path, WARM)
+    lines: list[str] = []
+    summary = ablate.run_ablation(ablate.load_config(path), echo=lines.append, poll_s=0.05)
+    out = tmp_path / "out"
+    assert _warmups(tmp_path) == ["0", "1"]  # one warm-up per seed, not one per arm-seed
+    for arm in ("grpo", "better"):  # each arm-seed started from its seed's warm-up, warm-up off
+        models = (out / "runs" / arm / "models.txt").read_text().splitlines()
+        assert models == [f"{seed} {out / 'warmups' / f'seed{seed}' / 'sft' / 'final'}" for seed in (0, 1)]
+    assert summary["arms"]["better"]["seeds_ok"] == [0, 1]
+    assert "Every arm of a seed starts from the same warm-up" in (out / "ablation.md").read_text()
+    warmups = json.loads((out / "ablation.json").read_text())["warmups"]
+    assert [(w["seed"], w["status"]) for w in warmups] == [(0, "ok"), (1, "ok")]
+
+    lines.clear()
+    ablate.run_ablation(ablate.load_config(path), echo=lines.append, poll_s=0.05)
+    assert _warmups(tmp_path) == ["0", "1"] and _calls(tmp_path, "grpo") == ["0", "1"]
+    assert sum("reused" in line for line in lines) == 2 and sum("skipped" in line for line in lines) == 4
+
+    # Damaged warm-up weights: that warm-up runs again; the arms ran from the same bytes, so they stay.
+    weights = out / "warmups" / "seed1" / "sft" / "final" / "model.safetensors"
+    weights.write_bytes(b"damaged")
+    ablate.run_ablation(ablate.load_config(path), echo=lines.append, poll_s=0.05)
+    assert _warmups(tmp_path) == ["0", "1", "1"] and _calls(tmp_path, "better") == ["0", "1"]
+    assert weights.read_bytes() == b"weights of seed 1"
+
+
+def test_a_failed_shared_warmup_fails_its_seeds_arms_with_the_reason(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        WARM.replace('"warmup.enabled" = true', '"warmup.enabled" = true, "fake.fail_warmup_seeds" = [1]'),
+    )
+    summary = ablate.run_ablation(ablate.load_config(path), echo=lambda _: None, poll_s=0.05)
+    assert summary["arms"]["grpo"]["seeds_failed"] == [1] and summary["arms"]["better"]["seeds_failed"] == [1]
+    assert _calls(tmp_path, "grpo") == ["0"]  # seed 1's arms never started
+    md = (tmp_path / "out" / "ablation.md").read_text()
+    assert "**grpo seed 1**: its shared warm-up failed" in md and "the warm-up broke" in md
+
+
+def test_an_arm_that_would_warm_up_differently_cannot_share_the_warmup(tmp_path: Path) -> None:
+    body = WARM + '[arms.other-betas]\nset = { "trainer.optim.betas" = [0.8, 0.9] }\n'
+    with pytest.raises(
+        ConfigError, match=r"arms.other-betas: trainer.optim = .* differs from the shared warm-up's"
+    ):
+        ablate.run_ablation(ablate.load_config(_write(tmp_path, body)), echo=lambda _: None)
+    assert _warmups(tmp_path) == []  # refused before anything ran
+    # Without sharing each arm-seed warms up on its own, and the arm is accepted.
+    config = ablate.load_config(_write(tmp_path, "share_warmup = false\n" + body))
+    ablate.run_ablation(config, echo=lambda _: None, poll_s=0.05)
+    assert _warmups(tmp_path) == [] and _calls(tmp_path, "other-betas") == ["0", "1"]
 
 
 def main_exit(path: Path) -> int:

@@ -92,7 +92,7 @@ def test_hinted_chats_match_the_hint_builders_teacher_context(bench) -> None:
             samples = [
                 _sample(tok, task["content"], wrong, 0.1, group, {"text": text, "kind": "wrong_answer"})
             ]
-        builder = HintBuilder(cfg, tok, 128)
+        builder = HintBuilder(cfg, tok, 160)  # configs/strops-hinted.toml's seq_len
         assert asyncio.run(builder.apply(samples)).num_hinted == 1
         target = sdpo_target(samples[-1])
         assert target is not None and target.source == kind

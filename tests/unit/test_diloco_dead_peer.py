@@ -116,3 +116,50 @@ def test_a_silent_peer_behind_the_relay_stops_costing_the_deadline_and_rejoins_w
     assert waited[0] >= DEADLINE_S and waited[3] >= DEADLINE_S, waited
     assert waited[1] < DEADLINE_S and waited[2] < DEADLINE_S, waited
     assert [r.metrics["diloco/num_dead_peers"] for r in results] == [1.0, 1.0, 0.0, 1.0]
+
+
+class PartlyDeadStore(RelayLikeStore):
+    """The board as ``me`` sees it when the DCs in ``gone`` stopped answering (origin down)."""
+
+    def __init__(
+        self, board: dict[tuple[str, str, int], bytes], lock: threading.Lock, me: str, gone: set[str]
+    ):
+        super().__init__(board, lock, me)
+        self.gone = gone
+
+    def available(self, cluster: str, timeout_s: float) -> set[tuple[str, int]] | None:
+        return None if cluster in self.gone else super().available(cluster, timeout_s)
+
+    def fetch(
+        self, cluster: str, kind: str, round_: int, timeout_s: float, max_bytes: int | None = None
+    ) -> bytes | None:
+        return None if cluster in self.gone else super().fetch(cluster, kind, round_, timeout_s, max_bytes)
+
+
+def test_a_member_that_died_after_the_commit_took_its_payload_is_not_waited_for() -> None:
+    """dc-a (the coordinator) got dc-c's payload before dc-c died, so its commit names dc-c; dc-b,
+    which never got it, stops asking dc-c's dead origin and catches up (``diverged``) well before
+    the deadline instead of waiting it out."""
+    board: dict[tuple[str, str, int], bytes] = {}
+    lock = threading.Lock()
+    dcs = {c: _exchange(c, board, lock) for c in CLUSTERS}
+    dcs["dc-b"].store = PartlyDeadStore(board, lock, "dc-b", gone={"dc-c"})
+    theta, momentum = torch.linspace(-1.0, 1.0, 16), torch.zeros(16)
+    dcs["dc-c"].store.publish("grad", 0, _payload(dcs["dc-c"], 0, theta, torch.full((16,), 0.03)))  # type: ignore[union-attr]
+    with ThreadPoolExecutor(2) as pool:
+        futures = {
+            c: pool.submit(
+                dcs[c].run_round,
+                0,
+                0,
+                _payload(dcs[c], 0, theta, torch.full((16,), 0.01)),
+                theta,
+                momentum,
+                CLUSTERS,
+            )
+            for c in ("dc-a", "dc-b")
+        }
+        done = {c: f.result(timeout=60) for c, f in futures.items()}
+    assert done["dc-a"].status == "applied" and done["dc-a"].members == CLUSTERS
+    assert done["dc-b"].status == "diverged"
+    assert done["dc-b"].metrics["diloco/round_s"] < DEADLINE_S / 2, done["dc-b"].metrics

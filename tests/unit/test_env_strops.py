@@ -90,6 +90,30 @@ def test_exact_reply_scores_one_and_a_near_miss_earns_partial_credit() -> None:
     assert reward == pytest.approx(0.5 * (1 - 1 / len(letters)))
 
 
+@pytest.mark.parametrize(
+    ("reply", "where"),
+    [
+        ("d a b c", "letter 2 should be b"),  # answer d b a c: the first departure is the 2nd letter
+        ("d b a", "letter 4 should be c"),  # a correct prefix, one letter short
+        ("d b a c e", "it should end after 4 letters"),  # the whole answer, then more
+        ("", "letter 1 should be d"),
+    ],
+)
+def test_feedback_names_the_transform_and_the_first_wrong_letter(reply: str, where: str) -> None:
+    task = next(t for t in load().tasks("train") if t.data.op == "reverse")
+    task.data = task.data.model_copy(update={"letters": "cabd", "answer": "d b a c"})
+    trace = vf.Trace(
+        task=vf.TraceTask(type="StropsTask", data=task.data),
+        agent=vf.AgentInfo(config=vf.AgentConfig(runtime=vf.SubprocessConfig())),
+    )
+    trace.root_reply = reply
+    asyncio.run(task.score(trace))
+    assert trace.info["feedback"] == {
+        "text": f"{reply!r} is not reverse of c a b d: {where}.",
+        "kind": "wrong_answer",
+    }
+
+
 def test_held_out_reward_is_exact_match_when_partial_credit_is_off() -> None:
     loaded = load({"partial_credit": 0.5}, {"partial_credit": 0.0})
     task = loaded.tasks("eval")[0]

@@ -149,6 +149,30 @@ def test_without_warmup_the_teacher_data_is_generated_first(tmp_path: Path) -> N
     )
 
 
+def test_a_teacher_from_the_policy_fine_tunes_the_policys_warmed_up_weights(tmp_path: Path) -> None:
+    """``local.from_policy``: the teacher starts from the model the policy starts RL from (what
+    ``rl`` sets ``model`` to after the warm-up), not from ``local.model``, which need not exist."""
+    pool = (
+        '[{name = "a", model = "a", protocol = "agent", local = {from_policy = true, warmup_steps = 5, '
+        f'model = {{name = "{tmp_path}/nope"}}}}}}, {{name = "b", model = "b", protocol = "agent", '
+        "local = {from_policy = true}}]"
+    )
+    config, _ = resolve_rl_config(["@", str(REPLAY), "--teacher.pool", pool, "--output-dir", str(tmp_path)])
+    preflight(config)  # local.model is not checked: it is not used
+    warmed = tmp_path / "sft" / "final"
+    config.model = config.model.model_copy(update={"name": str(warmed)})  # as rl's warm-up leaves it
+    (tmp_path / "configs").mkdir()
+    _, [sft_job] = teachers.warmup_specs(config, tmp_path / "configs" / "teacher.json", resuming=False)
+    sft = SFTConfig.model_validate_json(Path(sft_job.argv[-1]).read_text())
+    assert (sft.model.name, sft.max_steps) == (str(warmed), 5)
+    a, b = (
+        InferenceConfig.model_validate_json(Path(spec.argv[-1]).read_text()).model.name
+        for spec in teachers.server_specs(config)
+    )
+    assert a == str(tmp_path / "teachers" / "a" / "sft" / "final")  # its fine-tuned copy
+    assert b == str(warmed)  # no warm-up steps: the policy's own starting weights, as they are
+
+
 def test_agent_replies_are_read_like_the_students_turns() -> None:
     from prime_composer.teacher.actions import ParseError, parse_agent_reply
 

@@ -75,6 +75,21 @@ def similarity(reply: str, answer: str) -> float:
     return 1.0 - previous[-1] / max(len(a), len(b))
 
 
+def feedback_text(reply: str, op: str, letters: str) -> str:
+    """What went wrong in ``reply`` (the environment's feedback, SDPO's ``feedback`` hint): the
+    transform it missed and the first position where it departs from the answer, with the letter
+    that belongs there, e.g. ``'d a b c' is not reverse of c a b d: letter 2 should be b.``"""
+    got, want = unspaced(reply), transform(op, letters)
+    first = next(
+        (i for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w), min(len(got), len(want))
+    )
+    if first < len(want):
+        where = f"letter {first + 1} should be {want[first]}"
+    else:
+        where = f"it should end after {len(want)} letters"
+    return f"{reply[:40]!r} is not {op} of {spaced(letters)}: {where}."
+
+
 class StropsData(vf.TaskData):
     """One transform: the operation, the input letters (unspaced) and the spaced answer."""
 
@@ -94,7 +109,7 @@ class StropsTask(vf.Task[StropsData]):
         if reply == self.data.answer:
             return 1.0
         trace.info["feedback"] = {
-            "text": f"{reply[:40]!r} is not {self.data.op} of {spaced(self.data.letters)}.",
+            "text": feedback_text(reply, self.data.op, self.data.letters),
             "kind": "wrong_answer",
         }
         return self.partial_credit * similarity(reply, self.data.answer)

@@ -181,6 +181,12 @@ class WarmupConfig(BaseConfig):
     """SFT label smoothing (``sft.label_smoothing``). A smoothed warm-up learns to rank the
     reference answer first without becoming confident in it, which leaves RL room to improve."""
 
+    only: bool = False
+    """Stop after the warm-up (and the local teachers' warm-ups) instead of starting RL: the
+    model is left in ``<output_dir>/sft/final`` for runs that start from it with ``--model.name
+    <output_dir>/sft/final --warmup.enabled false`` (``ablate`` shares one warm-up per seed this
+    way)."""
+
 
 class RLConfig(BaseSettings, CommonConfig):
     """Everything ``rl`` needs: shared keys at the top, one section per process.

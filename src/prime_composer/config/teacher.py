@@ -68,7 +68,13 @@ class LocalTeacherConfig(BaseConfig):
     """
 
     model: ModelConfig = ModelConfig()
-    """The teacher's starting weights (hub id, local directory or ``builtin:tiny-qwen3``)."""
+    """The teacher's starting weights (hub id, local directory or ``builtin:tiny-qwen3``); ignored
+    with ``from_policy``."""
+
+    from_policy: bool = False
+    """Start from the policy's own starting weights (after the run's warm-up) instead of ``model``:
+    with ``warmup_steps`` more SFT steps, the student's architecture trained longer, a teacher that
+    knows more than the student it reviews."""
 
     warmup_steps: int = Field(default=0, ge=0)
     """SFT steps on the warm-up data in the teacher protocol; 0 serves ``model`` as it is (it must

@@ -70,6 +70,9 @@ logger = logging.getLogger(__name__)
 _PROBE_TIMEOUT_S = 2.0
 _MAX_FETCH_ATTEMPTS = 3
 """Downloads of one listed grad that may fail (``None``) in a round before its sender is left out."""
+_UNANSWERED_MEMBER_PROBES = 2
+"""Probes in a row a committed member's origin may leave unanswered before a DC stops waiting for
+its payload and catches up from the committer's state instead."""
 
 
 @dataclass
@@ -410,12 +413,19 @@ class Exchange:
         if self.store is None or self._rejected.get((round_, cluster, "grad")) == digest:
             return None  # a payload this DC rejected: the commit cannot be applied here
         until = time.monotonic() + self.cfg.round_deadline_s
+        unanswered = 0
         while time.monotonic() < until:
             data = self.store.fetch(
                 cluster, "grad", round_, self.cfg.round_deadline_s, max_bytes=self.max_bytes("grad", numel)
             )
             if data is not None and hashlib.sha256(data).hexdigest() == digest:
                 return self._grad(data, cluster, round_, fragment, numel)
+            # A member whose origin stopped answering (it died after the committer took its payload)
+            # will not serve it within the deadline: catch up from the committer's state now.
+            unanswered = unanswered + 1 if self.store.available(cluster, _PROBE_TIMEOUT_S) is None else 0
+            if unanswered >= _UNANSWERED_MEMBER_PROBES:
+                logger.warning("diloco: %s does not answer for its payload of round %d", cluster, round_)
+                return None
             time.sleep(self.cfg.poll_interval_s)
         return None
 

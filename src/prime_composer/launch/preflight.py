@@ -47,6 +47,11 @@ def preflight(config: RLConfig) -> None:
         problems.append(wandb)
     if config.warmup.enabled and config.warmup.data is not None and not config.warmup.data.is_file():
         problems.append(f"warmup.data = '{config.warmup.data}': no such file")
+    if config.warmup.only and not config.warmup.enabled and not _local_teachers_to_warm(config):
+        problems.append(
+            "warmup.only = true with warmup.enabled = false and no local teacher to fine-tune: there is "
+            "no warm-up to run; set warmup.enabled = true (or leave warmup.only out to run RL)"
+        )
     if problems:
         raise ConfigError("cannot start the run:\n  " + "\n  ".join(problems))
 
@@ -81,7 +86,7 @@ def _model_problems(config: RLConfig) -> list[str]:
     problems = _model_dir_problems("model", config.model)
     if config.teacher is not None:
         for i, endpoint in enumerate(config.teacher.pool):
-            if endpoint.local is not None:
+            if endpoint.local is not None and not endpoint.local.from_policy:
                 problems += _model_dir_problems(f"teacher.pool[{i}].local.model", endpoint.local.model)
     return problems
 
@@ -176,3 +181,8 @@ def _length_problems(config: RLConfig) -> list[str]:
             "max_model_len or lower seq_len"
         )
     return problems
+
+
+def _local_teachers_to_warm(config: RLConfig) -> bool:
+    teacher = config.teacher
+    return teacher is not None and any(e.local is not None and e.local.warmup_steps > 0 for e in teacher.pool)

@@ -326,6 +326,9 @@ def _launch_node(config: RLConfig, argv: Sequence[str]) -> int:
     the head joins only once the directory is prepared, so nothing here races the head's
     clean-up; on ``--resume`` the trainer finds the newest complete checkpoint itself, and all
     ranks check that they resume from the same step."""
+    if config.warmup.only:  # the head runs the warm-up alone
+        print("rl: warmup.only: the node that runs the orchestrator runs the warm-up; nothing to do here")
+        return 0
     here = node_dir(config)
     lock = lock_run_dir(here, command="uv run rl " + shlex.join(argv))  # one rl per node rank
     try:
@@ -423,6 +426,16 @@ def _run_stages(
         if result.exit_code != 0:
             print(f"rl: teacher warm-up failed ({result.reason})", flush=True)
             return result.exit_code
+    if config.warmup.only:
+        if config.warmup.enabled:
+            print(
+                f"rl: warm-up done (warmup.only): {output_dir / 'sft' / 'final'}; RL starts from it with "
+                f"--model.name {output_dir / 'sft' / 'final'} --warmup.enabled false",
+                flush=True,
+            )
+        else:
+            print("rl: local teachers' warm-up done (warmup.only)", flush=True)
+        return 0
     teacher_servers = teachers.server_specs(config)  # fills in their base_url: write configs after
     if teacher_servers:
         paths = write_resolved_configs(config)

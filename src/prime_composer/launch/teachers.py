@@ -53,14 +53,20 @@ def teacher_dir(config: RLConfig, endpoint: TeacherEndpointConfig) -> Path:
     return config.output_dir / "teachers" / slug(endpoint)
 
 
-def served_model(config: RLConfig, endpoint: TeacherEndpointConfig) -> ModelConfig:
-    """What the teacher's server loads: its fine-tuned copy, or ``local.model`` as it is."""
+def start_model(config: RLConfig, endpoint: TeacherEndpointConfig) -> ModelConfig:
+    """What the teacher starts from: ``local.model``, or with ``local.from_policy`` the policy's
+    model as the run starts it (``config.model``, the warm-up's result once ``rl`` has run it)."""
     assert endpoint.local is not None
+    return config.model if endpoint.local.from_policy else endpoint.local.model
+
+
+def served_model(config: RLConfig, endpoint: TeacherEndpointConfig) -> ModelConfig:
+    """What the teacher's server loads: its fine-tuned copy, or its start model as it is."""
+    assert endpoint.local is not None
+    start = start_model(config, endpoint)
     if endpoint.local.warmup_steps == 0:
-        return endpoint.local.model
-    return ModelConfig(
-        name=str(teacher_dir(config, endpoint) / "sft" / "final"), dtype=endpoint.local.model.dtype
-    )
+        return start
+    return ModelConfig(name=str(teacher_dir(config, endpoint) / "sft" / "final"), dtype=start.dtype)
 
 
 def warmup_specs(
@@ -113,7 +119,7 @@ def warmup_specs(
         local = endpoint.local
         assert local is not None
         sft = SFTConfig(
-            model=local.model,
+            model=start_model(config, endpoint),
             output_dir=teacher_dir(config, endpoint),
             data=chats if endpoint.protocol == "agent" else review_data,
             max_steps=local.warmup_steps,
