@@ -10,6 +10,7 @@ a teacher context checked against an independent rendering of the hinted convers
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import sys
@@ -115,6 +116,18 @@ def test_the_oracle_solves_every_function(server, pyfix) -> None:
         assert sample.episode.stop == "final_answer" and not sample.is_truncated
         assert sample.metrics["agent/num_tool_calls"] == 4.0 and sample.metrics["agent/tool_errors"] == 0.0
         assert sample.metrics["edited"] == 1.0 and sample.policy_step == 3
+
+
+def test_the_rollout_log_line_counts_the_episodes_turns(server, pyfix, caplog) -> None:
+    """verifiers logs ``turns=0`` for a trace without a message graph; an agent episode's line
+    (ours) has its model turns: the oracle's five replies, the broken agent's six attempts."""
+    with caplog.at_level(logging.INFO):
+        play(pyfix, server[1], "oracle", [0])
+        play(pyfix, server[1], "broken", [1])
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rollout done")]
+    assert len(lines) == 2, lines
+    assert "reward=1.000 turns=5 stop=final_answer" in lines[0]
+    assert "reward=0.000 turns=6 stop=max_turns" in lines[1]
 
 
 def test_noop_and_broken_agents_get_zero_and_the_run_goes_on(server, pyfix) -> None:

@@ -15,7 +15,9 @@ pins it). ``launch``
 Why model calls do not go through verifiers' interception endpoint: it relays chat requests
 (text in, text out), and a token-in loop needs the server's generate route. The trace therefore
 holds no verifiers message graph; the conversation is on the episode record, and tasks score
-from the workspace (or from ``trace.info``), not from ``trace.messages``.
+from the workspace (or from ``trace.info``), not from ``trace.messages``. For the same reason
+verifiers' own "rollout done" log line would count ``turns=0`` for every agent episode: a filter
+drops it for this harness's traces, and ``rollout.py`` logs the line with the episode's turns.
 
 verifiers imports a harness by a plain module name: ``envs.py`` registers this module as
 ``AGENT_HARNESS_MODULE``.
@@ -24,6 +26,7 @@ verifiers imports a harness by a plain module name: ``envs.py`` registers this m
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Any
 
@@ -63,6 +66,35 @@ AGENT_KEY = "prime_composer_agent"
 DEFAULT_MAX_REPLY_TOKENS = 1024
 """Reply cap when the sampling config sets no ``max_tokens``."""
 
+_agent_traces: set[str] = set()
+"""Ids of the traces this harness played whose verifiers "rollout done" line is still to come."""
+
+
+class _NoTurnlessRolloutLine(logging.Filter):
+    """Drops verifiers' "rollout done" line of an agent episode: it counts the turns of the trace's
+    message graph, which agent episodes do not fill (``rollout.py`` logs the line instead)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        ours = (
+            isinstance(record.msg, str)
+            and record.msg.startswith("rollout done")
+            and isinstance(args, tuple)
+            and bool(args)
+            and args[0] in _agent_traces
+        )
+        if ours:
+            _agent_traces.discard(str(args[0]))  # type: ignore[index]
+        return not ours
+
+
+logging.getLogger("verifiers.v1.rollout").addFilter(_NoTurnlessRolloutLine())
+
+
+def forget_trace(trace_id: str) -> None:
+    """The episode is converted: its verifiers line, if it never came, is not waited for."""
+    _agent_traces.discard(trace_id)
+
 
 class AgentHarnessConfig(vf.HarnessConfig):
     """Config of the agent harness: the loop's budgets, tools and sandbox."""
@@ -91,6 +123,7 @@ class AgentHarness(vf.Harness[AgentHarnessConfig]):
         data: vf.TaskData,
         tool_interception_url: str | None = None,
     ) -> vf.ProgramResult:
+        _agent_traces.add(trace.id)
         loop = self.config.loop
         sampling = ctx.sampling.model_dump(exclude_none=True)
         tokenizer = await shared_tokenizer(loop.tokenizer or ctx.model)

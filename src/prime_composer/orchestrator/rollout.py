@@ -40,7 +40,7 @@ from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.env import RunSlot
 
 from prime_composer.config.env import RolloutConfig, SamplingConfig
-from prime_composer.orchestrator.agent_harness import AGENT_KEY
+from prime_composer.orchestrator.agent_harness import AGENT_KEY, forget_trace
 from prime_composer.orchestrator.agent_task import close_sandboxes
 from prime_composer.orchestrator.envs import LoadedEnv
 from prime_composer.orchestrator.episode import BUDGET_STOPS, AgentEpisode, TurnInfo, localize_error
@@ -329,6 +329,15 @@ def _agent_samples(
     trace: vf.Trace, episode: AgentEpisode, record: EpisodeRecord, keys: GroupKeys, error: str | None
 ) -> list[Sample]:
     env_label = record.env
+    forget_trace(trace.id)
+    logger.info(
+        "rollout done: id=%s task=%s reward=%.3f turns=%d stop=%s",
+        trace.id,
+        record.task_id if record.task_id is not None else record.task_idx,
+        trace.reward or 0.0,
+        len(episode.turns),
+        error or episode.stop or trace.stop_condition,
+    )
     if error is None and not episode.turns:
         error = f"the episode made no model call (stop: {episode.stop or trace.stop_condition})"
     if error is not None:
