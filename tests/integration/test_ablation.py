@@ -2,8 +2,8 @@
 
 The fast tests drive the harness with a stand-in launcher (``rl_command``) that writes metrics
 files the way ``rl`` does, so resume and a failing arm-seed are cheap to prove; the slow one runs
-the real ``rl`` on a 2-arm x 1-seed, 2-step preset of the quickstart (each run is ~50 s of process
-start-ups; the 2 x 2 logic is the stand-in's to prove).
+the real ``rl`` on a 2-arm x 2-seed, 2-step preset of the quickstart whose arms share a short
+warm-up per seed.
 """
 
 from __future__ import annotations
@@ -282,11 +282,12 @@ def test_arms_that_do_not_train_on_the_same_samples_are_refused(tmp_path: Path) 
 
 
 SMALL = """
-# The quickstart's model and task without the warm-up: 2 steps per run, one eval at the end.
+# The quickstart's model and task, 2 arms x 2 seeds of 2 steps each, from a 5-step warm-up per seed
+# that both arms of the seed share; one eval at the start and one at the end.
 base = ["{quickstart}"]
-seeds = [0]
+seeds = [0, 1]
 output_dir = "{out}"
-set = {{ max_steps = 2, "orchestrator.batch_size" = 16, "orchestrator.group_size" = 4, "orchestrator.eval.interval" = 2, "warmup.enabled" = false, "ckpt.interval" = 0 }}
+set = {{ max_steps = 2, "orchestrator.batch_size" = 16, "orchestrator.group_size" = 4, "orchestrator.eval.interval" = 2, "warmup.max_steps" = 5, "warmup.num_examples" = 64, "ckpt.interval" = 0 }}
 [arms.grpo]
 [arms.lr-high]
 set = {{ "trainer.optim.lr" = 3e-3 }}
@@ -294,9 +295,10 @@ set = {{ "trainer.optim.lr" = 3e-3 }}
 
 
 @pytest.mark.slow
-def test_real_rl_two_arms_then_resume(tmp_path: Path) -> None:
+def test_real_rl_two_arms_two_seeds_from_shared_warmups_then_resume(tmp_path: Path) -> None:
     path = tmp_path / "ablation.toml"
-    path.write_text(SMALL.format(quickstart=REPO / "configs" / "quickstart.toml", out=tmp_path / "out"))
+    out = tmp_path / "out"
+    path.write_text(SMALL.format(quickstart=REPO / "configs" / "quickstart.toml", out=out))
     proc = subprocess.run(
         [sys.executable, "-m", "prime_composer.eval.ablate", "@", str(path)],
         capture_output=True,
@@ -305,20 +307,31 @@ def test_real_rl_two_arms_then_resume(tmp_path: Path) -> None:
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads((tmp_path / "out" / "ablation.json").read_text())
-    assert len(data["runs"]) == 2 and all(r["status"] == "ok" for r in data["runs"])
+    data = json.loads((out / "ablation.json").read_text())
+    assert len(data["runs"]) == 4 and all(r["status"] == "ok" for r in data["runs"])
+    assert [(w["seed"], w["status"]) for w in data["warmups"]] == [(0, "ok"), (1, "ok")]
     for r in data["runs"]:
         assert sorted(map(int, r["reward_curve"])) == [0, 1]
         assert 0.0 <= r["final_reward"] <= 1.0 and 0.0 <= r["final_eval"] <= 1.0
         # The run's numbers are its metrics file's.
         orch = [json.loads(line) for line in (Path(r["run_dir"]) / "metrics" / "orchestrator.jsonl").open()]
         assert r["final_reward"] == [x for x in orch if "reward/mean" in x][-1]["reward/mean"]
+        # It trained from its seed's shared warm-up: no warm-up of its own.
+        resolved = json.loads((Path(r["run_dir"]) / "configs" / "rl.json").read_text())
+        assert resolved["model"]["name"] == str(out / "warmups" / f"seed{r['seed']}" / "sft" / "final")
+        assert not (Path(r["run_dir"]) / "sft").exists()
+    for seed in (0, 1):  # both arms of a seed start from the same weights: the same greedy eval at step 0
+        starts = {r["initial_eval"] for r in data["runs"] if r["seed"] == seed}
+        assert len(starts) == 1, (seed, starts)
     lr_high = data["summary"]["arms"]["lr-high"]
     grpo_eval = {r["seed"]: r["final_eval"] for r in data["runs"] if r["arm"] == "grpo"}
     arm_eval = {r["seed"]: r["final_eval"] for r in data["runs"] if r["arm"] == "lr-high"}
-    assert lr_high["vs_baseline"]["final_eval"]["mean"] == pytest.approx(arm_eval[0] - grpo_eval[0])
-    assert "ablate [2/2] lr-high seed 0: done" in proc.stdout
-    assert (tmp_path / "out" / "ablation.png").stat().st_size > 1000
+    assert lr_high["vs_baseline"]["final_eval"]["mean"] == pytest.approx(
+        ((arm_eval[0] - grpo_eval[0]) + (arm_eval[1] - grpo_eval[1])) / 2
+    )
+    assert "ablate [4/4] lr-high seed 1: done" in proc.stdout
+    assert proc.stdout.count("warm-up seed") >= 2 and "| lr-high | 2/2 |" in (out / "ablation.md").read_text()
+    assert (out / "ablation.png").stat().st_size > 1000
     again = subprocess.run(
         [sys.executable, "-m", "prime_composer.eval.ablate", "@", str(path)],
         capture_output=True,
@@ -327,9 +340,7 @@ def test_real_rl_two_arms_then_resume(tmp_path: Path) -> None:
         cwd=REPO,
     )
     assert again.returncode == 0, again.stdout + again.stderr
-    assert again.stdout.count("skipped") == 2
+    assert again.stdout.count("skipped") == 4 and again.stdout.count("reused") == 2
     assert not math.isnan(
-        json.loads((tmp_path / "out" / "ablation.json").read_text())["summary"]["arms"]["grpo"][
-            "final_reward"
-        ]["mean"]
+        json.loads((out / "ablation.json").read_text())["summary"]["arms"]["grpo"]["final_reward"]["mean"]
     )

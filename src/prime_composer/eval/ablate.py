@@ -19,12 +19,12 @@ Each arm-seed is ``rl @ <output_dir>/runs/<arm>/seed<S>.toml``, a generated file
 (``warmup.enabled``), every arm of a seed starts from one warm-up, ``rl --warmup.only`` of ``base``
 with that seed in ``<output_dir>/warmups/seed<S>`` (``share_warmup = false`` gives each arm-seed its
 own): the arms then differ from their first step on only by what they set, and an ablation of
-four arms trains a quarter of the warm-ups. Before anything runs,
-every arm is resolved with ``rl --dry-run`` (config errors surface before any time is spent) and
-the arms are checked to train on the same samples: the same ``max_steps``, batch and group size,
-environments and warm-up. A finished arm-seed leaves ``ablation-run.json`` with the digests of its
-generated config, its metrics files and the warm-up's weights; a rerun skips it while they still match (resume), and runs
-it again otherwise. A failed arm-seed is recorded with its exit status and the tail of its
+four arms trains a quarter of the warm-ups. Before anything runs, every arm is resolved with
+``rl --dry-run`` (config errors surface before any time is spent) and the arms are checked to
+train on the same samples: the same ``max_steps``, batch and group size, environments and warm-up.
+A finished arm-seed leaves ``ablation-run.json`` with the digests of its generated config, its
+metrics files and the warm-up's weights; a rerun skips it while they still match (resume), and
+runs it again otherwise. A failed arm-seed is recorded with its exit status and the tail of its
 output, shown in the table and left out of the means (never replaced by a number).
 
 ``--arms a,b`` and ``--seeds 0,1`` run a subset (the table then covers only it); ``--dry-run``
@@ -701,19 +701,32 @@ def _band(curves: list[dict[str, float]]) -> tuple[list[int], list[float], list[
     return xs, means, lows, highs
 
 
+def _curve(run: dict[str, Any], key: str) -> dict[str, float]:
+    """A run's curve by step; ``eval_gain``: its held-out curve minus its first eval (the seeds'
+    warm-ups differ far more than the arms do, and this takes that spread out of the band)."""
+    if key != "eval_gain":
+        return dict(run[key])
+    curve = run["eval_curve"]
+    if not curve:
+        return {}
+    start = curve[min(curve, key=int)]
+    return {s: v - start for s, v in curve.items()}
+
+
 def write_figure(config: AblationConfig, records: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4))
     for ax, key, title in (
         (axes[0], "reward_curve", "train reward (mean over seeds, 95% t band)"),
         (axes[1], "eval_curve", "held-out accuracy (mean over seeds, 95% t band)"),
+        (axes[2], "eval_gain", "held-out accuracy minus its start, per seed (mean, 95% t band)"),
     ):
         for arm in config.arms:
-            curves = [r[key] for r in records if r["arm"] == arm.name and r.get("status") == "ok"]
+            curves = [_curve(r, key) for r in records if r["arm"] == arm.name and r.get("status") == "ok"]
             xs, means, lows, highs = _band(curves)
             if not xs:
                 continue
