@@ -165,6 +165,7 @@ except OSError as e:
 """
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_writing_a_checkpoint_loses_nothing(tmp_path: Path) -> None:
     """The second checkpoint does not fit: the save fails with a message naming the checkpoint that
     is intact, leaves no partial files, and the first one still verifies and loads."""

@@ -110,6 +110,7 @@ def _grad_payload(
     return {"header": header | overrides, "body": body}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_hostile_payloads_are_all_rejected(tmp_path: Path) -> None:
     honest_port, evil_port = free_port(), free_port()
@@ -263,6 +264,7 @@ def test_torchft_backend_survives_a_kill_and_heals_the_restarted_dc(tmp_path: Pa
     assert any(by_round["dc-0"][r]["members"] == 1 for r in by_round["dc-0"]), "dc-0 never went on alone"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_hostile_contributions_over_a_real_origin_are_fetched_once_and_leave_the_weights(
     tmp_path: Path,

@@ -350,6 +350,7 @@ def _health_answers_during(url: str, work: Any) -> tuple[int, Any]:
     return num_answers, result["value"]
 
 
+@pytest.mark.slow
 def test_health_answers_while_a_4mb_prompt_is_tokenized(server):
     text = _big_text(4 * 10**6)
     body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2}
@@ -382,6 +383,7 @@ def tight_server(tmp_path_factory):
         yield url
 
 
+@pytest.mark.slow
 def test_prompt_over_the_preprocessing_time_limit_is_413_then_a_queued_one_is_429(tight_server):
     text = _big_text(3 * 10**6)  # seconds to tokenize: far over 0.3 s
     with httpx.Client(base_url=tight_server, timeout=60) as c:

@@ -238,6 +238,7 @@ def test_a_failed_shared_warmup_fails_its_seeds_arms_with_the_reason(tmp_path: P
     assert "**grpo seed 1**: its shared warm-up failed" in md and "the warm-up broke" in md
 
 
+@pytest.mark.slow
 def test_an_arm_that_would_warm_up_differently_cannot_share_the_warmup(tmp_path: Path) -> None:
     body = WARM + '[arms.other-betas]\nset = { "trainer.optim.betas" = [0.8, 0.9] }\n'
     with pytest.raises(

@@ -190,6 +190,7 @@ def test_a_failed_model_call_is_an_error_sample_and_workspaces_are_removed(serve
         assert sorted(p.name for p in SANDBOX_ROOT.iterdir()) == [".uids"]
 
 
+@pytest.mark.slow
 def test_sft_records_are_the_oracle_episode(server, pyfix) -> None:
     records = envs.sft_records(pyfix, "train")
     assert len(records) == len(pyfix.tasks())

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,6 +62,7 @@ def test_the_k8s_statefulset_passes_the_dry_run(tmp_path: Path) -> None:
     assert missing.returncode != 0 and "DILOCO_SECRET" in missing.stderr
 
 
+@pytest.mark.slow
 def test_the_slurm_job_and_launch_dc_pass_the_dry_run(tmp_path: Path) -> None:
     fingerprint = "sha256:" + "ab" * 32
     peers = f"dc-eu=https://198.51.100.10:7701@{fingerprint}"

@@ -99,6 +99,7 @@ def _weights(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [0, 1])
 def test_torchft_checkpoint_part_resumes_exactly(tmp_path: Path, delay: int) -> None:
     listening_before = _listening(os.getpid())

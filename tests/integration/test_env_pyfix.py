@@ -50,6 +50,7 @@ def graded(sandbox: Sandbox, task: PyfixTask, files: dict[str, str]) -> tuple[fl
         return grade(sandbox, task, workspace)
 
 
+@pytest.mark.slow
 def test_every_bug_shows_and_every_fix_passes(sandbox) -> None:
     for task in tasks("train") + tasks("eval"):
         data = task.data

@@ -157,6 +157,7 @@ def test_the_link_is_encrypted_and_the_pinned_certificate_is_checked(self_signed
         assert plain not in wire, plain
 
 
+@pytest.mark.slow
 def test_a_wrong_certificate_is_refused_before_anything_is_sent(self_signed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     port, pin, seen = self_signed
     other_pin = generate(tmp_path / "other", "impostor")
@@ -243,6 +244,7 @@ def _ca_and_leaf(out: Path, host: str) -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_ca_given_in_config_is_checked_with_the_hostname(tmp_path: Path) -> None:
     _ca_and_leaf(tmp_path / "good", "127.0.0.1")
     _ca_and_leaf(tmp_path / "stranger", "127.0.0.1")

@@ -274,6 +274,7 @@ def _client(tmp_path: Path, name: str, port: int, **how: object) -> ProcessSpec:
     )
 
 
+@pytest.mark.slow
 def test_early_processes_start_with_the_server_and_call_it_only_once_healthy(tmp_path: Path) -> None:
     from prime_composer.config.ports import free_port
 

@@ -136,6 +136,7 @@ def test_lifetime_call_starts_the_server_for_each_call(sandbox: Sandbox, workspa
         assert result.content == "1" and result.record.run["exit_code"] == 0
 
 
+@pytest.mark.slow
 def test_a_server_that_dies_or_times_out_is_a_tool_error_and_restarts_at_most_max_restarts_times(
     sandbox: Sandbox, tmp_path: Path
 ) -> None:

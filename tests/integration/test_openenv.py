@@ -199,6 +199,7 @@ def play(
     return [sample for group in asyncio.run(main()) for sample in group]
 
 
+@pytest.mark.slow
 def test_observations_are_user_turns_and_replies_are_actions(policy, guess) -> None:
     samples = play(guess, policy[1], "guess", [0, 1, 2])
     for seed, sample in enumerate(samples):
@@ -396,6 +397,7 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_an_image_is_run_on_a_free_loopback_port_and_stopped_at_the_end(
     policy, tokenizer_path, fake_docker
 ) -> None:
@@ -427,6 +429,7 @@ def test_an_image_is_run_on_a_free_loopback_port_and_stopped_at_the_end(
     assert sample.error is not None and sample.reward == 0.0
 
 
+@pytest.mark.slow
 def test_a_killed_orchestrator_still_stops_its_container(fake_docker) -> None:
     """The process that ran the image is SIGKILLed (no atexit): its watcher stops the container."""
     script = (

@@ -77,6 +77,7 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_step_reaches_a_worker_through_two_rl_relays(tmp_path: Path) -> None:
     broadcasts = tmp_path / "trainer" / "broadcasts"
@@ -178,6 +179,7 @@ def test_the_older_diloco_relay_serve_command_runs_rl_relay(tmp_path: Path) -> N
     assert refused.returncode == 2 and "relay host = '10.0.0.3'" in refused.stderr, refused.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_older_weights_relay_command_runs_rl_relay_with_its_flags(tmp_path: Path) -> None:
     broadcasts = tmp_path / "trainer" / "broadcasts"

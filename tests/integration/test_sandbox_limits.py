@@ -63,6 +63,7 @@ def processes_of(uid: int) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_wall_clock_timeout_kills_the_tree_with_a_sleeping_grandchild(
     sandbox: Sandbox, workspace: Workspace
 ) -> None:
@@ -77,6 +78,7 @@ def test_wall_clock_timeout_kills_the_tree_with_a_sleeping_grandchild(
     assert not (workspace.path / "escaped").exists()
 
 
+@pytest.mark.slow
 def test_background_processes_end_with_the_command(sandbox: Sandbox, workspace: Workspace) -> None:
     result = sandbox.run(workspace, "setsid sh -c 'sleep 2; touch escaped' & echo started")
     assert result.exit_code == 0 and result.stdout == "started\n"
@@ -217,6 +219,7 @@ def sandbox_cgroup_folders() -> list[Path]:
     return [p for p in Path("/sys/fs/cgroup").rglob(f"prime-composer-sandbox-{os.getpid()}-*") if p.is_dir()]
 
 
+@pytest.mark.slow
 def test_the_whole_run_is_held_by_its_memory_limit(sandbox: Sandbox, workspace: Workspace) -> None:
     assert "memory" in sandbox.cgroup_controllers
     # Per process, 300 MB is well within memory_mb; the three together pass run_memory_mb.

@@ -31,6 +31,7 @@ def paid(ledger: list[dict]) -> float:
     return sum(r["dollars"] for r in ledger)
 
 
+@pytest.mark.slow
 def test_refused_steps_wait_and_the_run_cap_is_spent_to_within_a_call(tmp_path):
     """128 steps in flight against a cap of a quarter of what every step would cost: steps wait
     for money instead of giving up, at least 90% of the cap is spent, and neither the ledger nor the

@@ -121,6 +121,7 @@ def outcomes(store: TeacherStore) -> dict[int, str]:
     return {r["turn_index"]: r["outcome"] for r in store.steps()}
 
 
+@pytest.mark.slow
 def test_faulty_teachers_are_ledger_rows_and_good_ones_still_make_pairs(tmp_path):
     apps = {
         "good-a": fake_teacher_app(fixed(PYTEST)),

@@ -33,6 +33,7 @@ def a_batch(step: int) -> bytes:
     return encode_rank_batch(step, 0, [mb])
 
 
+@pytest.mark.slow
 def test_a_damaged_batch_is_one_line_naming_the_file(tmp_path: Path) -> None:
     batch = rank_path(tmp_path, 0, 0)
     batch.parent.mkdir(parents=True)

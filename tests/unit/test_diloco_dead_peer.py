@@ -13,6 +13,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 import torch
 
 from prime_composer.config.diloco import DilocoConfig, OuterOptimConfig
@@ -69,6 +70,7 @@ def _payload(exchange: Exchange, round_: int, theta: torch.Tensor, values: torch
     return encode(header, body, SECRET)
 
 
+@pytest.mark.slow
 def test_a_silent_peer_behind_the_relay_stops_costing_the_deadline_and_rejoins_when_it_posts() -> None:
     board: dict[tuple[str, str, int], bytes] = {}
     lock = threading.Lock()

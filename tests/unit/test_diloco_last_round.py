@@ -41,6 +41,7 @@ def _run_dc(cfg: Any, model: torch.nn.Module, work: Path, out: dict[str, Any], d
     out[f"{cfg.cluster_id}/digest"] = outer.global_digest()
 
 
+@pytest.mark.slow
 def test_the_peer_gets_the_last_commit_of_a_coordinator_whose_run_ends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -127,6 +128,7 @@ def test_the_origin_records_who_fetched_every_shard_of_a_version(tmp_path: Path)
         b.close()
 
 
+@pytest.mark.slow
 def test_the_linger_ends_when_the_peer_is_gone_and_is_bounded_when_it_never_fetches(
     tmp_path: Path,
 ) -> None:

@@ -186,6 +186,7 @@ def test_hostile_payload_is_rejected_and_the_round_averages_the_honest_dcs(
         assert exchange.rejected == Counter({reason: 1}), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("min_clusters", [1, 2])
 def test_a_coordinator_committing_alone_is_refused_from_min_clusters_2(min_clusters: int) -> None:
     """dc-z, first candidate of the round, publishes a valid grad and a commit naming itself

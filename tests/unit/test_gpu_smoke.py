@@ -64,6 +64,7 @@ def qwen3_0_6b_parameters() -> int:
     return vocab * hidden + layers * (attention + mlp + 2 * hidden) + hidden
 
 
+@pytest.mark.slow
 def test_dry_run_plans_every_part_and_runs_nothing(tmp_path: Path) -> None:
     result = run_script(tmp_path, "--dry-run", CUDA_VISIBLE_DEVICES="")  # dry runs ignore the GPU check
     assert result.returncode == 0, result.stdout + result.stderr

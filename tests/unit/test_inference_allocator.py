@@ -39,6 +39,7 @@ def _faults_per_call(keep: bool) -> float:
     return float(out.stdout.split()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings are Linux-only")
 def test_a_steps_tensors_reuse_the_heap_instead_of_faulting_in_again():
     # 16 x 49,152 float64 is 1,536 pages: without the settings every call faults them in again.

@@ -247,6 +247,7 @@ def _schema_holds(value: Any, schema: dict[str, Any]) -> bool:
     return checks.get(kind, lambda v: True)(value)
 
 
+@pytest.mark.slow
 def test_random_walks_end_in_schema_valid_json() -> None:
     """Walk the automaton choosing random allowed characters; every completed walk is JSON that
     ``json.loads`` reads and the independent checker accepts."""

@@ -188,6 +188,7 @@ def test_weights_go_to_every_replica(tmp_path: Path, servers: list[FakeServer]) 
     assert [r.loaded_step for r in sync.pool.replicas] == [1, 1]
 
 
+@pytest.mark.slow
 def test_a_replica_that_cannot_load_is_taken_out_and_the_run_goes_on(
     tmp_path: Path, servers: list[FakeServer]
 ) -> None:

@@ -105,6 +105,7 @@ def warmed():
     return model, tok
 
 
+@pytest.mark.slow
 def test_warm_up_taught_the_model_to_read_hints(warmed):
     model, tok = warmed
     for x in ("13", "72"):  # the hint decides between the hinted answers
@@ -113,6 +114,7 @@ def test_warm_up_taught_the_model_to_read_hints(warmed):
         assert right > wrong + 1.0, (x, right, wrong)
 
 
+@pytest.mark.slow
 def test_teacher_beats_student_and_sdpo_steps_raise_the_student(warmed):
     model, tok = warmed
     model = type(model)(model.config)

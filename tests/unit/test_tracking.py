@@ -81,6 +81,7 @@ def test_auto_mode_is_offline_without_an_api_key(tmp_path: Path, monkeypatch: py
     assert resolve_mode("offline") == ("offline", "as configured")
 
 
+@pytest.mark.slow
 def test_offline_run_holds_the_metrics_on_each_process_step_axis(tmp_path: Path) -> None:
     from prime_composer.tracking.wandb_run import WandbTracker
 
@@ -132,6 +133,7 @@ def test_offline_run_holds_the_metrics_on_each_process_step_axis(tmp_path: Path)
     assert logged_config["inference"] == {"secret_env": "S", "api_key": REDACTED}
 
 
+@pytest.mark.slow
 def test_without_a_wandb_section_nothing_imports_wandb(tmp_path: Path) -> None:
     code = (
         "import sys\n"
