@@ -90,3 +90,14 @@ def _check_eval(tmp_path: Path, capsys: pytest.CaptureFixture[str], inference: s
     assert summary["envs"]["arith"] == overall
     printed = capsys.readouterr().out
     assert f"arith: n={NUM_EXAMPLES} accuracy=" in printed and "95% CI" in printed and "pass@2=" in printed
+
+
+def test_a_checkpoint_of_a_gguf_run_is_served_without_the_gguf_file(tmp_path: Path) -> None:
+    """A run that started from a GGUF file (SmolLM2) fine-tunes into safetensors folders: the
+    base model keeps its GGUF file, a checkpoint's folder is loaded as what it is."""
+    from prime_composer.eval.main import served_model
+
+    config = EvalRunConfig(model={"name": "org/smol", "gguf_file": "smol.Q4.gguf"}, output_dir=tmp_path)
+    assert served_model(config, "org/smol").gguf_file == "smol.Q4.gguf"
+    warmed = served_model(config, str(tmp_path / "sft" / "final"))
+    assert (warmed.name, warmed.gguf_file) == (str(tmp_path / "sft" / "final"), None)

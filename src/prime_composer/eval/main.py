@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from prime_composer.config.base import ModelConfig
 from prime_composer.config.errors import ConfigError
 from prime_composer.config.evaluate import EvalRunConfig, resolve_kwargs
 from prime_composer.config.inference import InferenceConfig
@@ -66,6 +67,14 @@ def model_directory(config: EvalRunConfig, results_dir: Path) -> str:
         return str(to_hf_directory(config.checkpoint, config.model, results_dir / "model"))
     except ValueError as e:
         raise ConfigError(f"--checkpoint {config.checkpoint}: {e}") from None
+
+
+def served_model(config: EvalRunConfig, model: str) -> ModelConfig:
+    """The run's model config, named ``model``. Its GGUF file belongs to the base model only: a
+    checkpoint's folder (an export, a warm-up) holds safetensors, however the run's model was
+    loaded."""
+    gguf_file = config.model.gguf_file if model == config.model.name else None
+    return config.model.model_copy(update={"name": model, "gguf_file": gguf_file})
 
 
 @contextlib.contextmanager
@@ -226,15 +235,12 @@ def run(config: EvalRunConfig) -> int:
     setup_logging("eval")
     results_dir = default_results_dir(config)
     results_dir.mkdir(parents=True, exist_ok=True)
-    model = model_directory(config, results_dir)
-    inference = config.inference.model_copy(
-        update={"model": config.model.model_copy(update={"name": model}), "served_model_name": None}
-    )
+    served = served_model(config, model_directory(config, results_dir))
+    inference = config.inference.model_copy(update={"model": served, "served_model_name": None})
     from prime_composer.model.resolve import load_tokenizer
 
-    tokenizer = load_tokenizer(
-        model, gguf_file=config.model.gguf_file if model == config.model.name else None
-    )
+    model = served.name
+    tokenizer = load_tokenizer(model, gguf_file=served.gguf_file)
     with serving(inference, results_dir / "inference.log", config.launch.gpus.get("inference")) as base_url:
         records = asyncio.run(play(config, base_url, model, tokenizer))
     summary = summarize_records(records, config)
