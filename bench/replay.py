@@ -42,7 +42,15 @@ oracle, wrong fix, bad edit and no-op, whose tools really run in the sandbox, an
 the project's one converter, ``trace_export.samples_to_traces``; the mistake is each failed
 episode's first wrong step, the right action the oracle's at that turn, and the teachers answer
 from that oracle as above with pyfix's own tools as their wrong alternatives); ``agents_weak`` (the
-same episodes, weaker teachers: ``WEAK_ACCURACY``). The scripted agents' logprobs depend only on
+same episodes, weaker teachers: ``WEAK_ACCURACY``); ``agents_llm`` (the same episodes, real local
+teachers instead of oracles: two models of the agentic quickstart's family fine-tuned on its oracle
+episodes, ``strong`` for ``--llm-strong-steps`` SFT steps priced like ``frontier-a`` and ``weak`` for
+``--llm-weak-steps`` priced like ``frontier-c``, served by the embedded inference server and asked
+as agents, ``protocol = "agent"`` with ``send_token_ids``: each plays the next turn from the
+student's exact context tokens; built once
+with ``rl --warmup.only`` into ``--llm-dir`` and reused; asked by name only, as building them takes
+minutes). The
+scripted agents' logprobs depend only on
 the token position: the real traces carry no uncertainty signal. ``--agent-tasks`` defaults to 20,
 pyfix's train tasks, each played once; up to 40 plays each task a second time with the next agent,
 so no (agent, task) episode repeats. The episodes are played once per invocation and replayed for
@@ -55,7 +63,10 @@ over random B's per variant follows: mean, standard deviation, min and max.
 
 Recall and precision are absolute: a planted step is *recalled* when it becomes a pair whose chosen
 side is the right action (over all planted steps); precision is the share of pairs whose chosen
-side is right. ``gate ECE`` is the expected calibration error of the score that ranked the steps
+side is right. For the agents variants each teacher's accuracy is printed from the run that asks
+every teacher at every step: at the planted steps, the share of its answers that are the right
+action, and at the oracle's episodes, the share that agree with the oracle. ``gate ECE`` is the
+expected calibration error of the score that ranked the steps
 against their labels (``store.gate_calibration``). The last line is, per variant, the gate's recall
 over random B's (both with the cascade, same B; the mean over the seeds).
 
@@ -66,6 +77,7 @@ Run::
     uv run python bench/replay.py --variants agents agents_weak --agent-tasks 40
     uv run python bench/replay.py --variants agents agents_weak --max-steps-per-trace 2 --seed 0 1 2 3 4 \
         --runs all all+cascade random+cascade proximity+cascade gate+cascade calibrated+cascade
+    uv run python bench/replay.py --variants agents_llm --max-steps-per-trace 2 --seed 0 1 2
 """
 
 from __future__ import annotations
@@ -74,13 +86,21 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import json
 import random
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from prime_composer.config.inference import InferenceConfig
+from prime_composer.config.ports import free_port
 from prime_composer.config.teacher import TeacherServiceConfig, TraceSourceConfig
+from prime_composer.health import wait_healthy
 from prime_composer.inference.local import running_app
 from prime_composer.teacher.budget import Budget
 from prime_composer.teacher.fakes import fake_teacher_app
@@ -273,12 +293,20 @@ class RandomReplayer(Replayer):
         if stored is not None:
             return stored
         gate = self.cfg.gate
-        features = step_features(trace, gate, self.store.state_evaluated)
+        features = step_features(trace, gate, self.store.step_evaluated)
         turns = [f.turn_index for f in features]
         draw = random.Random(f"{self.seed}:{trace.trace_id}" if self.seed else trace.trace_id)
         chosen = set(draw.sample(turns, min(gate.max_steps_per_trace, len(turns))))
         plan = [
-            PlannedStep(f.turn_index, f.state_hash, f.as_dict(), f.score(gate), 0.0, f.turn_index in chosen)
+            PlannedStep(
+                f.turn_index,
+                f.state_hash,
+                f.as_dict(),
+                f.score(gate),
+                0.0,
+                f.turn_index in chosen,
+                f.action_key,
+            )
             for f in features
         ]
         self.store.save_plan(trace.trace_id, plan)
@@ -321,6 +349,10 @@ def run(
     true_pairs = sum(1 for k, c in chosen.items() if right_keys.get(k) == c)
     selected_planted = sum(1 for k in planted if steps[k][1])
     gate = store.gate_calibration()
+    accuracy = teacher_accuracy(store.steps(), right_keys)
+    answers: dict[str, int] = {}
+    for row in ledger:
+        answers[row["outcome"]] = answers.get(row["outcome"], 0) + 1
     store.close()
     return {
         "calls": len(calls),
@@ -332,7 +364,100 @@ def run(
         "precision": true_pairs / max(1, num_pairs),
         "seconds": elapsed,
         "gate_ece": gate["ece"],
+        "teachers": accuracy,
+        "answers": answers,
     }
+
+
+def teacher_accuracy(
+    steps: list[dict[str, Any]], right_keys: dict[tuple[str, int], str]
+) -> dict[str, dict[str, float]]:
+    """Per teacher, over the steps it answered: the share of right answers at the planted steps
+    (``planted``) and of answers that agree with the oracle's own action in the oracle's episodes
+    (``oracle``; agents variants, whose oracle traces' ids start with ``oracle``)."""
+    counts: dict[str, dict[str, list[int]]] = {}
+    for row in steps:
+        key = (row["trace_id"], row["turn_index"])
+        if key in right_keys:
+            kind, right = "planted", right_keys[key]
+        elif row["trace_id"].startswith("oracle") and row["votes"]:
+            kind, right = "oracle", None
+        else:
+            continue
+        for vote in json.loads(row["votes"] or "[]"):
+            if vote["outcome"] == "budget":
+                continue
+            tally = counts.setdefault(vote["teacher"], {}).setdefault(kind, [0, 0])
+            tally[0] += int(vote["action"] == (right if kind == "planted" else row["action_key"]))
+            tally[1] += 1
+    return {
+        teacher: {kind: right / n for kind, (right, n) in by_kind.items()}
+        for teacher, by_kind in counts.items()
+    }
+
+
+REPO = Path(__file__).resolve().parents[1]
+LLM_CONFIG = REPO / "configs" / "quickstart-agentic.toml"
+"""The agents_llm teachers' recipe: this config's warm-up (SFT on the oracle's pyfix episodes)."""
+LLM_PRICES = {"strong": PRICES["frontier-a"], "weak": PRICES["frontier-c"]}
+
+
+def llm_teacher_models(directory: Path, steps: dict[str, int]) -> dict[str, Path]:
+    """The agents_llm variant's teachers: ``LLM_CONFIG``'s warm-up run for each teacher's number of
+    SFT steps (``rl --warmup.only``), built into ``directory/<name>-<steps>`` once and reused."""
+    models = {}
+    for name, num_steps in steps.items():
+        run = directory / f"{name}-{num_steps}"
+        final = run / "sft" / "final"
+        if not (final / "config.json").is_file():
+            print(
+                f"building the {name} teacher: {num_steps} SFT steps of {LLM_CONFIG.name} -> {run}",
+                flush=True,
+            )
+            command = [
+                sys.executable, "-m", "prime_composer.launch.rl", "@", str(LLM_CONFIG),
+                "--output-dir", str(run), "--warmup.only", "--no-launch.progress",
+                "--warmup.max-steps", str(num_steps),
+            ]  # fmt: skip
+            done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+            if done.returncode != 0 or not (final / "config.json").is_file():
+                raise RuntimeError(
+                    f"the {name} teacher's warm-up failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+                )
+        models[name] = final
+    return models
+
+
+@contextlib.contextmanager
+def served_models(models: dict[str, Path], directory: Path) -> Iterator[dict[str, str]]:
+    """Each model behind the embedded inference server on a free loopback port: name -> base URL."""
+    urls: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        for name, path in models.items():
+            port = free_port("127.0.0.1")
+            config = InferenceConfig.model_validate(
+                {"model": {"name": str(path)}, "output_dir": str(directory / name), "port": port,
+                 "served_model_name": name, "num_threads": 1}
+            )  # fmt: skip
+            path_json = directory / f"{name}-inference.json"
+            path_json.write_text(json.dumps(config.model_dump(mode="json")))
+            log = stack.enter_context(open(directory / f"{name}-inference.log", "w"))
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "prime_composer.inference.main", "@", str(path_json)],
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            stack.callback(proc.wait)
+            stack.callback(proc.terminate)
+            waited = wait_healthy(
+                f"http://127.0.0.1:{port}/health", 300, poll_s=0.5,
+                give_up=lambda proc=proc: None if proc.poll() is None else f"exited {proc.returncode}",
+            )  # fmt: skip
+            if not waited.healthy:
+                log.flush()
+                tail = (directory / f"{name}-inference.log").read_text()[-3000:]
+                raise RuntimeError(f"the {name} teacher's server did not start ({waited.reason}):\n{tail}")
+            urls[name] = f"http://127.0.0.1:{port}"
+        yield urls
 
 
 def _key(action: dict[str, Any]) -> str:
@@ -350,6 +475,7 @@ VARIANTS = {
     "late_test": {"first_fail": False},  # no failing test run first
     "agents": {"agents": True},  # real pyfix episodes (bench/replay_agents.py), the teachers above
     "agents_weak": {"agents": True, "accuracy": WEAK_ACCURACY},  # the same, weaker teachers
+    "agents_llm": {"agents": True, "llm": True},  # the same, real local models as teachers
 }
 RUNS = ("all", "all+cascade", "random+cascade", "gate+cascade", "calibrated+cascade")
 OPTIONAL_RUNS = ("proximity+cascade",)
@@ -391,19 +517,6 @@ def variant_runs(
         if turn is not None and right is not None:
             planted[(record["id"], turn)] = right
     traces = [parse_trace(r, "bench", TraceSourceConfig()) for r in records]
-    probe = TeacherServiceConfig.model_validate({"pool": [{"base_url": "http://x/v1", "model": "m"}]})
-    table = oracle_answers(
-        traces,
-        planted,
-        probe.instructions,
-        together=options.get("together", False),
-        accuracy=options.get("accuracy", ACCURACY),
-        alternatives=alternatives,
-        seed=seed,
-    )
-    apps = {
-        name: fake_teacher_app(lambda messages, t=table[name]: t[prompt_hash(messages)]) for name in PRICES
-    }
     seeded = type("SeededRandomReplayer", (RandomReplayer,), {"seed": seed})
     gates: dict[str, tuple[dict[str, Any], type[Replayer]]] = {
         "all": ({"enabled": False, "cascade": False}, Replayer),
@@ -415,11 +528,10 @@ def variant_runs(
     }  # fmt: skip
     results = {}
     with contextlib.ExitStack() as stack:
-        urls = {name: stack.enter_context(running_app(app)) for name, app in apps.items()}
-        pool = [
-            {"name": n, "base_url": f"{u}/v1", "model": n, "input_usd_per_m": PRICES[n][0], "output_usd_per_m": PRICES[n][1], "max_concurrency": 16, "max_tokens": 256}
-            for n, u in urls.items()
-        ]  # fmt: skip
+        if options.get("llm"):
+            pool = llm_pool(stack, args)
+        else:
+            pool = fake_pool(stack, traces, planted, options, alternatives, seed)
         for name in args.runs:
             gate, replayer = gates[name]
             with tempfile.TemporaryDirectory() as out:
@@ -445,7 +557,54 @@ def variant_runs(
             f"| {name} | {r['steps_asked']} | {r['calls'] / n:.2f} | {r['dollars'] / n:.4f} | {r['pairs']} | "
             f"{r['precision']:.2f} | {r['selected_planted']:.2f} | {r['recall']:.3f} | {r['gate_ece']:.3f} |"
         )
+    if options.get("agents") and "all" in results:
+        print("answers (asked at every step):", json.dumps(results["all"]["answers"], sort_keys=True))
+        print("teachers (asked at every step):", ", ".join(
+            f"{t} right at planted {a.get('planted', 0):.2f}, agrees with the oracle {a.get('oracle', 0):.2f}"
+            for t, a in sorted(results["all"]["teachers"].items())
+        ))  # fmt: skip
     return results
+
+
+def fake_pool(
+    stack: contextlib.ExitStack,
+    traces: list[Trace],
+    planted: dict[tuple[str, int], dict[str, Any]],
+    options: dict[str, Any],
+    alternatives: list[dict[str, Any]],
+    seed: int,
+) -> list[dict[str, Any]]:
+    """The oracle teachers (``PRICES``) on loopback, for the life of ``stack``: the pool's entries."""
+    probe = TeacherServiceConfig.model_validate({"pool": [{"base_url": "http://x/v1", "model": "m"}]})
+    table = oracle_answers(
+        traces,
+        planted,
+        probe.instructions,
+        together=options.get("together", False),
+        accuracy=options.get("accuracy", ACCURACY),
+        alternatives=alternatives,
+        seed=seed,
+    )
+    apps = {
+        name: fake_teacher_app(lambda messages, t=table[name]: t[prompt_hash(messages)]) for name in PRICES
+    }
+    urls = {name: stack.enter_context(running_app(app)) for name, app in apps.items()}
+    return [
+        {"name": n, "base_url": f"{u}/v1", "model": n, "input_usd_per_m": PRICES[n][0], "output_usd_per_m": PRICES[n][1], "max_concurrency": 16, "max_tokens": 256}
+        for n, u in urls.items()
+    ]  # fmt: skip
+
+
+def llm_pool(stack: contextlib.ExitStack, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The agents_llm teachers served for the life of ``stack``: the pool's entries (greedy, as agents)."""
+    models = llm_teacher_models(args.llm_dir, {"strong": args.llm_strong_steps, "weak": args.llm_weak_steps})
+    logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pc-replay-llm-")))
+    urls = stack.enter_context(served_models(models, logs))
+    # max_tokens as the quickstart samples (an edit_file call is ~110 characters, a token each).
+    return [
+        {"name": n, "base_url": f"{u}/v1", "model": n, "protocol": "agent", "send_token_ids": True, "input_usd_per_m": LLM_PRICES[n][0], "output_usd_per_m": LLM_PRICES[n][1], "max_concurrency": 4, "max_tokens": 160}
+        for n, u in urls.items()
+    ]  # fmt: skip
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
@@ -472,7 +631,15 @@ def main() -> None:
         help="real pyfix episodes of the agents variants (20: every train task once; up to 40, the "
         "second pass with the agents shifted, so no episode repeats)",
     )
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument(
+        "--variants", nargs="+", default=[v for v in VARIANTS if v != "agents_llm"], choices=list(VARIANTS)
+    )
+    parser.add_argument(
+        "--llm-dir", type=Path, default=REPO / "outputs" / "bench-replay-teachers",
+        help="where the agents_llm teachers are built once and reused",
+    )  # fmt: skip
+    parser.add_argument("--llm-strong-steps", type=int, default=150, help="SFT steps of the strong teacher")
+    parser.add_argument("--llm-weak-steps", type=int, default=60, help="SFT steps of the weak teacher")
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=[*RUNS, *OPTIONAL_RUNS])
     parser.add_argument(
         "--seed", type=int, nargs="+", default=[0], help="one or more seeds (traces, teachers, random B)"

@@ -72,7 +72,13 @@ def agent_traces(num_tasks: int) -> tuple[list[dict[str, Any]], dict[tuple[str, 
     root = Path(tempfile.mkdtemp(prefix="pc-replay-agents-", dir="/var/lib" if os.geteuid() == 0 else None))
     # Scripted agents are trusted code: run them unisolated where isolation is impossible.
     sandbox = {"root_dir": str(root)} if os.geteuid() == 0 else {"allow_unisolated": True}
-    agent = {"tokenizer": tokenizer, "max_turns": 6, "time_limit_s": 120, "sandbox": sandbox}
+    # pyfix as configs/quickstart-agentic.toml plays it (the tools described in the system prompt's
+    # one line, not as the template's JSON schemas): the agents_llm teachers are that config's
+    # warm-ups, trained on exactly this context.
+    agent = {
+        "tokenizer": tokenizer, "max_turns": 6, "time_limit_s": 120, "sandbox": sandbox,
+        "render_tools": False, "max_context_tokens": 1024,
+    }  # fmt: skip
     env = envs.load_env(EnvConfig(id="pyfix", agent=agent), 0)
     tasks = env.tasks("train")
     if num_tasks > 2 * len(tasks):

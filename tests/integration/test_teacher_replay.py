@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 
 from prime_composer.config.client import RetryConfig
 from prime_composer.config.teacher import TeacherServiceConfig
+from prime_composer.inference.conformance import check_tool_messages
 from prime_composer.inference.local import running_app
 from prime_composer.teacher.actions import Action, canonical_call, render_action
 from prime_composer.teacher.budget import Budget
@@ -312,13 +313,15 @@ def test_a_student_sample_is_read_as_the_students_turn_not_as_a_review_answer():
 
 
 def agent_teacher_app(reply: str) -> FastAPI:
-    """A teacher that plays the agent: answers ``reply`` as plain text, records what it was shown."""
+    """A teacher that plays the agent: answers ``reply`` as plain text, records what it was shown
+    (chat messages, held to the OpenAI rules on tool messages; or a completion's token ids)."""
     app = FastAPI()
     app.state.seen = []
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> dict:
         body = await request.json()
+        check_tool_messages(body["messages"])  # what a real server refuses with a 400
         app.state.seen.append(body["messages"])
         return {
             "choices": [
@@ -327,7 +330,52 @@ def agent_teacher_app(reply: str) -> FastAPI:
             "usage": {"prompt_tokens": 12, "completion_tokens": 2},
         }
 
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict:
+        body = await request.json()
+        app.state.seen.append(body["prompt"])
+        return {
+            "choices": [{"index": 0, "text": reply, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 2},
+        }
+
     return app
+
+
+def test_an_agent_teacher_gets_a_conformant_chat_or_the_students_exact_token_ids(tmp_path):
+    """On a multi-turn trace: the chat carries the calls as ``tool_calls`` and each result answers
+    its call (the student's own text form was refused by every OpenAI-compatible server); with
+    ``send_token_ids`` the teacher is sent the step's ``prompt_token_ids`` on ``/completions``."""
+    trace = coding_trace("t")
+    trace["turns"][5]["prompt_token_ids"] = [3, 1, 4, 1, 5]  # the pytest step, as the student saw it
+    reply = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
+    chat, tokens = agent_teacher_app(reply), agent_teacher_app(reply)
+    with serving({"chat": chat, "tokens": tokens}) as urls:
+        pool = [
+            {"name": name, "base_url": url, "model": name, "retry": FAST.model_dump(), "protocol": "agent",
+             "send_token_ids": name == "tokens", "input_usd_per_m": 1.0, "output_usd_per_m": 1.0}
+            for name, url in urls.items()
+        ]  # fmt: skip
+        store = replay(make_config(tmp_path, urls, pool=pool), [trace])
+    assert len(chat.state.seen) == 4  # the steps run concurrently: found by their length
+    [pytest_step] = [m for m in chat.state.seen if len(m) == 5]
+    assert [m["role"] for m in pytest_step] == ["user", "assistant", "tool", "assistant", "tool"]
+    assert pytest_step[1]["tool_calls"][0]["function"] == {
+        "name": "bash",
+        "arguments": '{"command": "ls calc"}',
+    }
+    assert pytest_step[2]["tool_call_id"] == pytest_step[1]["tool_calls"][0]["id"]
+    # The steps without ids were asked with the chat; the pytest step with its exact ids.
+    assert [m for m in tokens.state.seen if not isinstance(m[0], dict)] == [[3, 1, 4, 1, 5]]
+    as_chat = sorted(json.dumps(m) for m in tokens.state.seen if isinstance(m[0], dict))
+    assert as_chat == sorted(json.dumps(m) for m in chat.state.seen if m is not pytest_step)
+    by_step = {(r["teacher"], r["turn_index"]): r for r in store.ledger()}
+    assert all(r["outcome"] == "ok" for r in by_step.values()) and len(by_step) == 8
+    assert by_step[("tokens", 5)]["input_tokens"] == 5
+    # Both read the reply as the agent's turn: two votes for `ls` against the trace's pytest run.
+    steps = {r["turn_index"]: r for r in store.steps()}
+    assert steps[5]["outcome"] == "pair" and steps[5]["num_votes"] == 2
+    store.close()
 
 
 def test_an_agent_protocol_teacher_sees_the_students_prompt_and_votes_with_its_text(tmp_path):

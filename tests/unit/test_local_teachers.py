@@ -32,6 +32,12 @@ def test_an_endpoint_needs_base_url_or_local() -> None:
         TeacherEndpointConfig(model="m", local={"warmup_steps": -1})
 
 
+def test_token_ids_are_sent_only_to_agent_teachers() -> None:
+    with pytest.raises(ValidationError, match=r"\('m'\)\.send_token_ids: .* set protocol = \"agent\""):
+        TeacherEndpointConfig(model="m", base_url="http://x/v1", send_token_ids=True)
+    assert TeacherEndpointConfig(model="m", base_url="http://x/v1", protocol="agent", send_token_ids=True)
+
+
 def test_rl_refuses_a_local_teacher_with_a_base_url_too() -> None:
     pool = '[{name = "a", model = "a", base_url = "http://x/v1", local = {}}]'
     with pytest.raises(ConfigError, match=r"teacher\.pool\[0\] \('a'\) sets both base_url and local"):

@@ -44,7 +44,7 @@ def trace_of(*turns):
     )
 
 
-def features(trace, cfg=None, seen=lambda h: False):
+def features(trace, cfg=None, seen=lambda state, action: False):
     return step_features(trace, cfg or GateConfig(), seen)
 
 
@@ -196,8 +196,12 @@ def test_an_answer_before_any_tool_ran_counts_as_an_error_where_tools_were_offer
 def test_novelty_and_score():
     trace = trace_of(bash("ls"), tool("a.py"), bash("pytest"), tool("ok"))
     first_state = trace.state_hash(1)
-    f = features(trace, seen=lambda h: h == first_state)
+    asked = []
+    f = features(trace, seen=lambda state, action: asked.append((state, action)) or state == first_state)
     assert [x.novelty for x in f] == [0.0, 1.0]
+    # What is looked up is the state with the trace's own action there.
+    assert asked == [(first_state, f[0].action_key), (trace.state_hash(3), f[1].action_key)]
+    assert f[0].action_key != f[1].action_key
     cfg = GateConfig(weight_uncertainty=0.5, weight_error=1.0, impact_floor=0.2, seen_state_factor=0.5)
     # evidence = 1 - (1 - 0.5 * 0.5) * (1 - 1.0 * 0.25) = 0.4375; stakes = 0.2 + 0.8 * impact.
     step = StepFeatures(0, "h", uncertainty=0.5, impact=1.0, error=0.25, novelty=1.0)
@@ -289,4 +293,52 @@ def test_a_reservation_in_the_store_is_gone_with_its_ledger_row_or_charged_when_
     assert store.reservations() == []
     assert [(r["outcome"], r["dollars"]) for r in store.ledger()] == [("ok", 0.001), ("orphaned", 0.004)]
     assert store.spent_by_trace() == {"t": pytest.approx(0.005)}
+    store.close()
+
+
+def _label(store: TeacherStore, trace_id: str, turn_index: int) -> None:
+    store.finish_step(
+        trace_id, turn_index, status="done", outcome="confirmed", process_reward=None, trace_share=None,
+        best_share=None, num_votes=0, votes=[], cost_usd=0.0, pair=None,
+    )  # fmt: skip
+
+
+def test_novelty_is_per_state_and_action(tmp_path):
+    """A state labeled before is new again with another action (its answers are cached, a new
+    mistake there is a new pair); with the same action it is not."""
+    from prime_composer.teacher.store import PlannedStep
+
+    store = TeacherStore(tmp_path / "store.sqlite")
+    first = trace_of(bash("pytest -x"))
+    store.add_trace(first)
+    state, (step,) = first.state_hash(1), features(first)
+    store.save_plan(first.trace_id, [PlannedStep(1, state, {}, 1.0, 0.0, True, step.action_key)])
+    assert not store.step_evaluated(state, step.action_key)  # planned, not labeled yet
+    _label(store, first.trace_id, 1)
+    same = features(trace_of(bash("pytest -x")), seen=store.step_evaluated)
+    other = features(trace_of(bash("rm -rf tests")), seen=store.step_evaluated)
+    assert same[0].state_hash == other[0].state_hash == state
+    assert [same[0].novelty, other[0].novelty] == [0.0, 1.0]
+    store.close()
+
+
+def test_a_store_without_step_actions_gains_the_column_and_counts_every_action_seen(tmp_path):
+    import sqlite3
+
+    from prime_composer.teacher.store import SCHEMA
+
+    path = tmp_path / "store.sqlite"
+    conn = sqlite3.connect(path)  # the steps table as stores wrote it before it kept the action
+    conn.executescript(SCHEMA.replace("    action_key TEXT,\n", ""))
+    conn.execute("INSERT INTO meta VALUES ('schema_version', '1')")
+    conn.execute(
+        "INSERT INTO steps (trace_id, turn_index, state_hash, features, score, expected_usd, selected, status)"
+        " VALUES ('old', 1, 'S', '{}', 1.0, 0.0, 1, 'done')"
+    )
+    conn.commit()
+    assert "action_key" not in {r[1] for r in conn.execute("PRAGMA table_info(steps)")}
+    conn.close()
+    store = TeacherStore(path)
+    assert store.step_evaluated("S", "any action") and store.step_evaluated("S", "another")
+    assert not store.step_evaluated("T", "any action")
     store.close()

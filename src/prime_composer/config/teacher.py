@@ -120,12 +120,21 @@ class TeacherEndpointConfig(BaseConfig):
     """What the teacher is shown and how its reply is read. ``review``: the service's instructions
     and the state as a transcript to review, the reply one JSON object naming the next action
     (any instruction-following model; ``prompts.teacher_messages``). ``agent``: the state in the
-    agent's own chat format, exactly as the student sees it (``prompts.student_messages``), the
-    reply read the way the student's turns are (tool calls, else its text as a message): for a
-    teacher that is itself an agent model of the student's format, e.g. a larger model of its
-    family, or a local teacher fine-tuned on the student's warm-up data. Each call reserves the
-    worst case of its own prompt; the gate's and the cascade's cost estimates use the review
-    prompt for both."""
+    agent's own chat (``prompts.agent_messages``: the student's messages, its calls as
+    ``tool_calls``), the reply read the way the student's turns are (tool calls, else its text as
+    a message): for a teacher that is itself an agent model of the student's format, e.g. a larger
+    model of its family, or a local teacher fine-tuned on the student's warm-up data. Each call
+    reserves the worst case of its own prompt; the gate's and the cascade's cost estimates use the
+    review prompt for both."""
+
+    send_token_ids: bool = False
+    """With ``protocol = "agent"``: send each step's exact context, the trace's
+    ``prompt_token_ids`` (what the student was given), to ``/completions`` instead of the chat, and
+    read the completion's text as the agent's turn. For a teacher with the student's tokenizer and
+    format (a ``local`` teacher, or a larger model of its family): it then sees the student's
+    context token for token, where a chat is rendered again by its server's template (tool calls
+    in the template's own layout, which a small model trained on the student's exact text can
+    misread). A step whose trace carries no ids is asked with the chat."""
 
     local: LocalTeacherConfig | None = None
     """Serve this teacher on this machine (``rl`` fine-tunes and starts it; see
@@ -178,6 +187,11 @@ class TeacherEndpointConfig(BaseConfig):
                 f"teacher.pool ({self.id!r}): give base_url (an OpenAI-compatible endpoint up to /v1), or "
                 "local = { ... } to have rl serve the teacher itself"
             )
+        if self.send_token_ids and self.protocol != "agent":
+            raise ValueError(
+                f"teacher.pool ({self.id!r}).send_token_ids: the student's token ids are an agent's "
+                'context; set protocol = "agent" or leave send_token_ids unset'
+            )
         return self
 
 
@@ -218,9 +232,10 @@ class GateConfig(BaseConfig):
     proximity to an error (a step whose own call failed, the step that caused a failing test run,
     a final answer given on a failure or before any tool ran, reverted edits, and the steps around
     them; ``error_attribution``), ``stakes = impact_floor + (1 - impact_floor) * impact`` (edits and commands over reads)
-    and ``novelty`` 1 for a state never evaluated before, else ``seen_state_factor``. Either
-    signal alone can make a step suspicious (a noisy-or), a read costs little to get wrong, and a
-    state already labeled adds nothing. The gate keeps the ``max_steps_per_trace`` steps with the
+    and ``novelty`` 1 for an action at a state never evaluated before, else ``seen_state_factor``.
+    Either signal alone can make a step suspicious (a noisy-or), a read costs little to get wrong,
+    and the same action at a state already labeled adds nothing (its pair is known); another action
+    there is new (the answers are cached, and a new mistake is a new pair). The gate keeps the ``max_steps_per_trace`` steps with the
     best score per expected dollar among those scoring at least ``min_score``.
     """
 
@@ -254,7 +269,8 @@ class GateConfig(BaseConfig):
     """Stakes of an action of impact 0 (``stakes = floor + (1 - floor) * impact``)."""
 
     seen_state_factor: float = Field(default=0.2, ge=0.0, le=1.0)
-    """Novelty of a state that was evaluated before (its answers are cached, its pair known)."""
+    """Novelty of an action at a state that was evaluated before with that action (its answers
+    are cached, its pair known)."""
 
     default_uncertainty: float = Field(default=0.5, ge=0.0, le=1.0)
     """Uncertainty of a step whose trace carries no logprobs for its action."""

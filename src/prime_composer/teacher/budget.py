@@ -26,11 +26,13 @@ ledger never undercounts what a provider may have billed.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import threading
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from typing import Any
 
 from prime_composer.config.teacher import BudgetConfig, TeacherEndpointConfig
 
@@ -47,12 +49,19 @@ def call_cost(endpoint: TeacherEndpointConfig, input_tokens: int, output_tokens:
     return (input_tokens * endpoint.input_usd_per_m + output_tokens * endpoint.output_usd_per_m) / MILLION
 
 
-def prompt_token_bound(messages: list[dict[str, str]], overhead: int) -> int:
-    """Upper bound on the prompt tokens of ``messages`` for a byte-level tokenizer."""
-    return overhead + sum(len(m["role"].encode()) + len(m["content"].encode()) + 8 for m in messages)
+def prompt_token_bound(messages: list[dict[str, Any]], overhead: int) -> int:
+    """Upper bound on the prompt tokens of ``messages`` for a byte-level tokenizer (a message's
+    other fields, ``tool_calls`` and ``tool_call_id``, count as their JSON)."""
+    return overhead + sum(_message_bytes(m) + 8 for m in messages)
 
 
-def worst_case_cost(endpoint: TeacherEndpointConfig, messages: list[dict[str, str]], overhead: int) -> float:
+def _message_bytes(message: dict[str, Any]) -> int:
+    size = len(message["role"].encode()) + len((message.get("content") or "").encode())
+    rest = {k: v for k, v in message.items() if k not in ("role", "content")}
+    return size + (len(json.dumps(rest, ensure_ascii=False).encode()) if rest else 0)
+
+
+def worst_case_cost(endpoint: TeacherEndpointConfig, messages: list[dict[str, Any]], overhead: int) -> float:
     return call_cost(endpoint, prompt_token_bound(messages, overhead), endpoint.max_tokens)
 
 

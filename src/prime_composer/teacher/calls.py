@@ -99,7 +99,7 @@ class TeacherCaller:
         max_reply_bytes: int,
         rng: random.Random | None = None,
     ) -> None:
-        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.base_url = base_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.max_concurrency = max_concurrency
         self.max_reply_bytes = max_reply_bytes
@@ -129,8 +129,11 @@ class TeacherCaller:
             await self._client.aclose()
             self._client = None
 
-    async def attempt(self, body: dict[str, Any], attempt_s: float, step_deadline: float) -> Attempt:
-        """POST ``body`` once, bounded by ``attempt_s`` seconds and the monotonic ``step_deadline``."""
+    async def attempt(
+        self, body: dict[str, Any], attempt_s: float, step_deadline: float, *, completion: bool = False
+    ) -> Attempt:
+        """POST ``body`` once to ``/chat/completions`` (``/completions`` with ``completion``: a
+        prompt of token ids), bounded by ``attempt_s`` seconds and the monotonic ``step_deadline``."""
         client = self._bind()
         started = time.monotonic()
         left = step_deadline - started
@@ -140,7 +143,7 @@ class TeacherCaller:
         state = _Progress()
         try:
             async with asyncio.timeout(limit):
-                return await self._read(client, body, started, state)
+                return await self._read(client, body, started, state, completion)
         except TimeoutError:
             return Attempt(
                 state.status, None, kind_on_limit,
@@ -165,11 +168,17 @@ class TeacherCaller:
             )  # fmt: skip
 
     async def _read(
-        self, client: httpx.AsyncClient, body: dict[str, Any], started: float, state: _Progress
+        self,
+        client: httpx.AsyncClient,
+        body: dict[str, Any],
+        started: float,
+        state: _Progress,
+        completion: bool,
     ) -> Attempt:
         cap = self.max_reply_bytes
+        url = self.base_url + ("/completions" if completion else "/chat/completions")
         async with client.stream(
-            "POST", self.url, json=body, headers=self._headers, extensions={"trace": state.trace}
+            "POST", url, json=body, headers=self._headers, extensions={"trace": state.trace}
         ) as response:
             state.status = status = response.status_code
 
@@ -212,8 +221,8 @@ class TeacherCaller:
             return done(f"http_{status}", detail, data)
         if not parsed:
             return done("bad_json", f"the answer is not JSON: {bytes(chunks[:200])!r}")
-        if not _has_message(data):
-            return done("bad_response", "no choices[0].message", data)
+        if not (_has_text(data) if completion else _has_message(data)):
+            return done("bad_response", f"no choices[0].{'text' if completion else 'message'}", data)
         reported = _completion_tokens(data)
         if reported is not None and reported > int(body.get("max_tokens") or reported):
             return done(
@@ -242,6 +251,13 @@ def _retry_after(response: httpx.Response) -> float | None:
 def _has_message(data: Any) -> bool:
     try:
         return isinstance(data["choices"][0]["message"], dict)
+    except (KeyError, IndexError, TypeError):
+        return False
+
+
+def _has_text(data: Any) -> bool:
+    try:
+        return isinstance(data["choices"][0]["text"], str)
     except (KeyError, IndexError, TypeError):
         return False
 

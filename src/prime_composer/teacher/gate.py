@@ -19,7 +19,9 @@ Per step (an assistant turn), four features in [0, 1]:
   failure marks itself (it gives up, or claims a fix the tests deny). ``"proximity"`` marks every
   failing step itself, the gate before attribution: there a test run that shows a mistake
   outranked the edit that made it;
-- **novelty**: 1 when the state hash was never evaluated before, else 0.
+- **novelty**: 1 when this action at this state (state hash, action key) was never evaluated
+  before, else 0. A state labeled before with another action is novel: the teachers' answers
+  there are cached (asking costs nothing) and a new wrong action is a new pair.
 
 They combine as "evidence of a mistake times what is at stake" (``GateConfig``'s docstring has
 the formula): a noisy-or of uncertainty and error proximity, times the action's stakes and its
@@ -56,6 +58,8 @@ class StepFeatures:
     impact: float
     error: float
     novelty: float
+    action_key: str = ""
+    """The trace's action at the step (``Action.key``)."""
 
     def score(self, cfg: GateConfig) -> float:
         evidence = 1.0 - (1.0 - cfg.weight_uncertainty * self.uncertainty) * (
@@ -232,9 +236,9 @@ def error_steps(trace: Trace, cfg: GateConfig) -> tuple[set[int], set[int]]:
     return failed, reverted
 
 
-def step_features(trace: Trace, cfg: GateConfig, seen: Callable[[str], bool]) -> list[StepFeatures]:
-    """The features of every step of ``trace``; ``seen(state_hash)`` says whether a state was
-    evaluated before (novelty)."""
+def step_features(trace: Trace, cfg: GateConfig, seen: Callable[[str, str], bool]) -> list[StepFeatures]:
+    """The features of every step of ``trace``; ``seen(state_hash, action_key)`` says whether that
+    action at that state was evaluated before (novelty)."""
     failed, reverted = error_steps(trace, cfg)
     errors = failed | reverted
     features = []
@@ -246,14 +250,16 @@ def step_features(trace: Trace, cfg: GateConfig, seen: Callable[[str], bool]) ->
         else:
             error = 1.0 - distance / (cfg.error_window + 1)
         state = trace.state_hash(turn_index)
+        action = turn_action(turn)
         features.append(
             StepFeatures(
                 turn_index=turn_index,
                 state_hash=state,
+                action_key=action.key,
                 uncertainty=uncertainty(turn.logprobs, cfg.default_uncertainty),
-                impact=impact(turn_action(turn), cfg),
+                impact=impact(action, cfg),
                 error=error,
-                novelty=0.0 if seen(state) else 1.0,
+                novelty=0.0 if seen(state, action.key) else 1.0,
             )
         )
     return features

@@ -31,7 +31,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from prime_composer.client.http import EndpointClient, read_api_key
 from prime_composer.config.teacher import BudgetConfig, OnPolicyConfig, TeacherEndpointConfig
@@ -77,9 +77,13 @@ def _sampling(endpoint: TeacherEndpointConfig) -> dict[str, Any]:
     return {"temperature": endpoint.temperature, "max_tokens": endpoint.max_tokens, **endpoint.extra_body}
 
 
-def cache_key(endpoint: TeacherEndpointConfig, messages: list[dict[str, str]]) -> str:
+Prompt = list[dict[str, Any]] | list[int]
+"""Chat messages, or the student's context as token ids (``send_token_ids``: ``/completions``)."""
+
+
+def cache_key(endpoint: TeacherEndpointConfig, prompt: Prompt) -> str:
     blob = json.dumps(
-        [endpoint.id, endpoint.model, prompt_hash(messages), _sampling(endpoint)],
+        [endpoint.id, endpoint.model, prompt_hash(prompt), _sampling(endpoint)],
         sort_keys=True,
         separators=(",", ":"),
     )
@@ -147,16 +151,21 @@ class TeacherPool:
     async def ask(
         self,
         endpoint: TeacherEndpointConfig,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         trace_id: str,
         turn_index: int,
         deadline: float | None = None,
+        *,
+        token_ids: list[int] | None = None,
     ) -> Answer:
         """Ask ``endpoint`` for the next action at this state (see the module docstring);
-        ``deadline`` (``time.monotonic``) bounds the whole call, retries included."""
+        ``deadline`` (``time.monotonic``) bounds the whole call, retries included. With
+        ``token_ids`` (an agent teacher's ``send_token_ids``) those are sent to ``/completions``
+        instead of ``messages``."""
         if deadline is None:
             deadline = time.monotonic() + 1e9
-        key = cache_key(endpoint, messages)
+        prompt: Prompt = token_ids if token_ids is not None else messages
+        key = cache_key(endpoint, prompt)
         shared = self._in_flight.get(key)
         if shared is not None:  # the same question is being asked right now: wait for its answer
             answer = await asyncio.shield(shared)
@@ -169,7 +178,7 @@ class TeacherPool:
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._in_flight[key] = future
         try:
-            answer = await self._call(endpoint, key, messages, trace_id, turn_index, deadline)
+            answer = await self._call(endpoint, key, prompt, trace_id, turn_index, deadline)
             future.set_result(answer)
             return answer
         except BaseException as e:
@@ -195,13 +204,19 @@ class TeacherPool:
         self,
         endpoint: TeacherEndpointConfig,
         key: str,
-        messages: list[dict[str, str]],
+        prompt: Prompt,
         trace_id: str,
         turn_index: int,
         deadline: float,
     ) -> Answer:
         caller = self._callers[endpoint.id]
-        bound_in = prompt_token_bound(messages, self.budget_cfg.prompt_overhead_tokens)
+        tokens = _is_token_ids(prompt)
+        if tokens:  # exactly what the provider counts
+            bound_in = len(prompt)
+        else:
+            bound_in = prompt_token_bound(
+                cast(list[dict[str, Any]], prompt), self.budget_cfg.prompt_overhead_tokens
+            )
         started = time.monotonic()
         dollars = 0.0  # the finished attempts' cost
         reservation_id: int | None = None
@@ -228,9 +243,15 @@ class TeacherPool:
                             dollars + reservation.amount, 0.0, number, "reserved",
                         ),
                     )  # fmt: skip
-                    body = {"model": endpoint.model, "messages": messages, **_sampling(endpoint)}
+                    body = {
+                        "model": endpoint.model,
+                        "prompt" if tokens else "messages": prompt,
+                        **_sampling(endpoint),
+                    }
                     body["max_tokens"], body["stream"] = max_tokens, False
-                    attempt = await caller.attempt(body, endpoint.retry.timeout_s, deadline)
+                    attempt = await caller.attempt(
+                        body, endpoint.retry.timeout_s, deadline, completion=tokens
+                    )
                 except BaseException:  # cancelled: the durable reservation stays, charged in full
                     self.budget.settle(reservation, reservation.amount)
                     raise
@@ -243,7 +264,7 @@ class TeacherPool:
                 dollars += cost
                 if attempt.ok:
                     return self._answered(
-                        endpoint, key, messages, trace_id, turn_index, attempt, number, started, dollars,
+                        endpoint, key, prompt, trace_id, turn_index, attempt, number, started, dollars,
                         tokens_in, tokens_out, estimated, max_tokens, reservation_id,
                     )  # fmt: skip
                 retry = endpoint.retry
@@ -269,7 +290,7 @@ class TeacherPool:
         self,
         endpoint: TeacherEndpointConfig,
         key: str,
-        messages: list[dict[str, str]],
+        prompt: Prompt,
         trace_id: str,
         turn_index: int,
         attempt: Attempt,
@@ -285,7 +306,7 @@ class TeacherPool:
         if not estimated:
             self.budget.observe_reply(endpoint.id, tokens_out)
         choice = attempt.data["choices"][0]
-        message = choice["message"]
+        message = {"content": choice["text"]} if _is_token_ids(prompt) else choice["message"]
         kept = {k: message.get(k) for k in ("content", "tool_calls") if message.get(k) is not None}
         action: Action | None
         parse = parse_agent_reply if endpoint.protocol == "agent" else parse_answer
@@ -304,7 +325,7 @@ class TeacherPool:
                 time.monotonic() - started, number, outcome, error,
             ),
             cache=None if cut else {
-                "prompt_hash": prompt_hash(messages),
+                "prompt_hash": prompt_hash(prompt),
                 "sampling": json.dumps(_sampling(endpoint), sort_keys=True),
                 "message": kept,
                 "action": action_to_json(action) if action is not None else None,
@@ -313,6 +334,10 @@ class TeacherPool:
             reservation_id=reservation_id,
         )  # fmt: skip
         return Answer(endpoint.id, action, outcome, dollars, error)
+
+
+def _is_token_ids(prompt: Prompt) -> bool:
+    return bool(prompt) and isinstance(prompt[0], int)
 
 
 def _usage(data: Any, bound_in: int, bound_out: int) -> tuple[int, int, bool]:
@@ -348,7 +373,7 @@ class StudentSampler:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def sample(self, messages: list[dict[str, str]], salt: str) -> list[StudentSample]:
+    async def sample(self, messages: list[dict[str, Any]], salt: str) -> list[StudentSample]:
         """``num_samples`` samples at the state; [] when the call fails (logged: no on-policy side)."""
         body = {
             "model": self.cfg.model,

@@ -11,6 +11,12 @@ state, so the same state gives the same request (the response cache depends on t
 The student sees the state in its own chat format (``student_messages``): tool calls rendered as
 ``actions.render_action`` writes them, tool results as ``tool`` messages; its tokenizer's chat
 template turns them into the pair's context token ids unless the trace carries the exact ids.
+
+A teacher that plays the agent (``protocol = "agent"``) and the student's own on-policy samples are
+*sent* the state, to an OpenAI-compatible server, as ``agent_messages``: the same chat with each
+assistant turn's calls as ``tool_calls`` and each tool result answering its call by
+``tool_call_id``, the shape every such server requires (a ``tool`` message that answers no call is
+refused with a 400) and renders in its model's own tool-call format.
 """
 
 from __future__ import annotations
@@ -66,8 +72,8 @@ def teacher_messages(trace: Trace, turn_index: int, instructions: str) -> list[d
     return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(sections)}]
 
 
-def prompt_hash(messages: list[dict[str, str]]) -> str:
-    """Hash of the exact request messages (state and instructions)."""
+def prompt_hash(messages: list[dict[str, Any]] | list[int]) -> str:
+    """Hash of the exact request messages (state and instructions), or of a prompt's token ids."""
     blob = json.dumps(messages, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -82,6 +88,64 @@ def student_messages(trace: Trace, turn_index: int) -> list[dict[str, str]]:
         else:
             messages.append({"role": turn.role, "content": turn.content})
     if not any(t.role == "user" for t in turns) and trace.record.task:
+        after_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        messages.insert(after_system, {"role": "user", "content": _task_text(trace.record.task)})
+    return messages
+
+
+def agent_messages(trace: Trace, turn_index: int) -> list[dict[str, Any]]:
+    """The state before ``turns[turn_index]`` as an OpenAI chat request for the agent itself: each
+    assistant turn's text with its calls as ``tool_calls`` (the trace's ids, else
+    ``call_<turn>_<k>``), each tool result a ``tool`` message naming the call it answers (the
+    trace's ``tool_call_id`` when it names an open call, else the next unanswered one). A result
+    that answers no call (its assistant turn made none), and calls no result answers, are kept as
+    text (a user message ``Tool result ...``; the call in its assistant turn's text), since a
+    server refuses both."""
+    messages: list[dict[str, Any]] = []
+    pending: dict[str, str] = {}  # the latest assistant message's unanswered call ids -> as text
+    calls_at: int | None = None  # that message's index
+
+    def close() -> None:
+        if calls_at is None or not pending:
+            return
+        message = messages[calls_at]
+        message["content"] = "\n".join(p for p in (message["content"], *pending.values()) if p)
+        message["tool_calls"] = [c for c in message["tool_calls"] if c["id"] not in pending]
+        if not message["tool_calls"]:
+            del message["tool_calls"]
+        pending.clear()
+
+    for index, turn in enumerate(trace.turns[:turn_index]):
+        if turn.role == "tool":
+            if pending:
+                call_id = turn.tool_call_id if turn.tool_call_id in pending else next(iter(pending))
+                del pending[call_id]
+                messages.append({"role": "tool", "tool_call_id": call_id, "content": turn.content})
+            else:
+                messages.append({"role": "user", "content": f"{_tool_result_header(turn)}:\n{turn.content}"})
+            continue
+        close()
+        calls_at = None
+        if turn.role == "assistant" and turn.tool_calls:
+            calls = []
+            for k, call in enumerate(turn.tool_calls):
+                call_id = call.id if call.id and call.id not in pending else f"call_{index}_{k}"
+                arguments = call.arguments if isinstance(call.arguments, str) else json.dumps(call.arguments)
+                calls.append(
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": arguments},
+                    }
+                )
+                raw = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+                pending[call_id] = f"<tool_call>\n{raw}\n</tool_call>"
+            messages.append({"role": "assistant", "content": turn.content.strip(), "tool_calls": calls})
+            calls_at = len(messages) - 1
+        else:
+            messages.append({"role": turn.role, "content": turn.content})
+    close()
+    if not any(t.role == "user" for t in trace.turns[:turn_index]) and trace.record.task:
         after_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
         messages.insert(after_system, {"role": "user", "content": _task_text(trace.record.task)})
     return messages

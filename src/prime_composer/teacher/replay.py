@@ -32,7 +32,7 @@ from prime_composer.config.teacher import TeacherEndpointConfig, TeacherServiceC
 from prime_composer.teacher.actions import Action, render_action, turn_action
 from prime_composer.teacher.gate import select_steps, step_features
 from prime_composer.teacher.pool import Answer, StudentSampler, TeacherPool
-from prime_composer.teacher.prompts import student_messages, teacher_messages
+from prime_composer.teacher.prompts import agent_messages, student_messages, teacher_messages
 from prime_composer.teacher.reference import ReferenceScorer
 from prime_composer.teacher.store import PairCandidate, PlannedStep, TeacherStore
 from prime_composer.teacher.traces import Trace, read_trace_file, read_verifiers_file
@@ -106,14 +106,14 @@ class Replayer:
         if stored is not None:
             return stored
         gate = self.cfg.gate
-        features = step_features(trace, gate, self.store.state_evaluated)
+        features = step_features(trace, gate, self.store.step_evaluated)
         costs = [self._expected_cost(trace, f.turn_index, f.uncertainty) for f in features]
         views = [f.as_dict() | {"prior": f.score(gate)} for f in features]
         voi = self.voi
         scores = [v["prior"] if voi is None else voi.predict(v, v["prior"]) for v in views]
         selected = set(select_steps(features, costs, gate, scores))
         plan = [
-            PlannedStep(f.turn_index, f.state_hash, view, score, cost, f.turn_index in selected)
+            PlannedStep(f.turn_index, f.state_hash, view, score, cost, f.turn_index in selected, f.action_key)
             for f, view, score, cost in zip(features, views, scores, costs, strict=True)
         ]
         self.store.save_plan(trace.trace_id, plan)
@@ -225,11 +225,14 @@ class Replayer:
     ) -> list[Answer]:
         order = self.pool.cascade_order(messages)
         deadline = time.monotonic() + self.cfg.step_timeout_s
-        agent = student_messages(trace, planned.turn_index)
+        agent = agent_messages(trace, planned.turn_index)
+        context_ids = trace.turns[planned.turn_index].prompt_token_ids
 
         def ask(endpoint: TeacherEndpointConfig) -> Awaitable[Answer]:
-            prompt = agent if endpoint.protocol == "agent" else messages
-            return self.pool.ask(endpoint, prompt, trace.trace_id, planned.turn_index, deadline)
+            if endpoint.protocol == "review":
+                return self.pool.ask(endpoint, messages, trace.trace_id, planned.turn_index, deadline)
+            ids = context_ids if endpoint.send_token_ids and context_ids else None
+            return self.pool.ask(endpoint, agent, trace.trace_id, planned.turn_index, deadline, token_ids=ids)
 
         if not self.cfg.gate.cascade or len(order) == 1:
             return list(await asyncio.gather(*(ask(e) for e in order)))
@@ -315,7 +318,8 @@ class Replayer:
         context = student_messages(trace, planned.turn_index)
         chosen_text, chosen_ids, source = render_action(label.chosen), None, "teacher"
         if self.student is not None:
-            samples = await self.student.sample(context, salt=planned.state_hash)
+            asked = agent_messages(trace, planned.turn_index)
+            samples = await self.student.sample(asked, salt=planned.state_hash)
             match = next(
                 (s for s in samples if s.action is not None and s.action.key == label.chosen.key), None
             )

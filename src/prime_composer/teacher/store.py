@@ -74,6 +74,7 @@ CREATE TABLE IF NOT EXISTS steps (
     num_votes INTEGER,
     votes TEXT,
     cost_usd REAL,
+    action_key TEXT,
     PRIMARY KEY (trace_id, turn_index)
 );
 CREATE INDEX IF NOT EXISTS steps_state ON steps (state_hash, status);
@@ -177,6 +178,8 @@ class PlannedStep:
     score: float
     expected_usd: float
     selected: bool
+    action_key: str | None = None
+    """The trace's action at the step (``Action.key``): with the state, what a label judges."""
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,9 @@ class TeacherStore:
         # loss may drop the last ones.
         self._conn.execute("PRAGMA synchronous = NORMAL")
         self._conn.executescript(SCHEMA)  # idempotent (IF NOT EXISTS)
+        columns = {r["name"] for r in self._conn.execute("PRAGMA table_info(steps)")}
+        if "action_key" not in columns:  # a store written before steps kept their action
+            self._conn.execute("ALTER TABLE steps ADD COLUMN action_key TEXT")
         row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         if row is None:
             self._conn.execute(
@@ -339,6 +345,7 @@ class TeacherStore:
                 r["score"],
                 r["expected_usd"],
                 bool(r["selected"]),
+                r["action_key"],
             )
             for r in rows
         ]
@@ -348,7 +355,7 @@ class TeacherStore:
             for s in steps:
                 c.execute(
                     "INSERT OR IGNORE INTO steps (trace_id, turn_index, state_hash, features, score, expected_usd,"
-                    " selected, status) VALUES (?,?,?,?,?,?,?,?)",
+                    " selected, status, action_key) VALUES (?,?,?,?,?,?,?,?,?)",
                     (
                         trace_id,
                         s.turn_index,
@@ -358,6 +365,7 @@ class TeacherStore:
                         s.expected_usd,
                         int(s.selected),
                         "pending" if s.selected else "skipped",
+                        s.action_key,
                     ),
                 )
             c.execute("UPDATE traces SET status = 'planned' WHERE trace_id = ?", (trace_id,))
@@ -369,10 +377,13 @@ class TeacherStore:
         )
         return [r["turn_index"] for r in rows]
 
-    def state_evaluated(self, state_hash: str) -> bool:
-        """Whether a step with this state was labeled before (the gate's novelty)."""
+    def step_evaluated(self, state_hash: str, action_key: str) -> bool:
+        """Whether this action at this state was labeled before (the gate's novelty). A step of a
+        store written before steps kept their action counts for every action at its state."""
         row = self._conn.execute(
-            "SELECT 1 FROM steps WHERE state_hash = ? AND status = 'done' LIMIT 1", (state_hash,)
+            "SELECT 1 FROM steps WHERE state_hash = ? AND status = 'done'"
+            " AND (action_key = ? OR action_key IS NULL) LIMIT 1",
+            (state_hash, action_key),
         ).fetchone()
         return row is not None
 
