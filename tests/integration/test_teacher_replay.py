@@ -261,6 +261,16 @@ def student_app(samples: list[tuple[str, list[int]]]) -> FastAPI:
         ]
         return {"choices": choices, "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
 
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict:
+        body = await request.json()
+        app.state.requests.append(body)
+        choices = [
+            {"index": i, "text": text, "token_ids": ids, "finish_reason": "stop"}
+            for i, (text, ids) in enumerate(samples[: body["n"]])
+        ]
+        return {"choices": choices, "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1}}
+
     return app
 
 
@@ -284,6 +294,32 @@ def test_on_policy_chosen_side_is_the_students_matching_sample(tmp_path):
         and body["return_token_ids"]
         and body["messages"][0] == {"role": "user", "content": "Make the tests in calc/ pass."}
     )
+
+
+def test_with_send_token_ids_the_student_continues_the_pairs_exact_context(tmp_path):
+    matching = '<tool_call>{"name": "bash", "arguments": {"command": "pytest -q"}}</tool_call>'
+    student = student_app([("let me think", [7]), (matching, [11, 12, 13])])
+    trace = coding_trace("t")
+    trace["turns"][3]["prompt_token_ids"] = [2, 7, 1, 8]  # the wrong edit, as the student saw it
+    apps = {"a": fake_teacher_app(fixed(PYTEST)), "b": fake_teacher_app(fixed(PYTEST)), "student": student}
+    with serving(apps) as urls:
+        student_url = urls.pop("student")
+        on_policy = {
+            "enabled": True,
+            "base_url": student_url,
+            "model": "policy",
+            "num_samples": 2,
+            "send_token_ids": True,
+        }
+        cfg = make_config(tmp_path, urls, pairs={"on_policy": on_policy})
+        store = replay(cfg, [trace], student=StudentSampler(cfg.pairs.on_policy, seed=0))
+    # The pairs' other steps (no ids) were sampled from the chat, the edit from its exact ids.
+    prompts = [b["prompt"] for b in student.state.requests if "prompt" in b]
+    assert prompts == [[2, 7, 1, 8]] and len(student.state.requests) == 3
+    [pair] = [p for p in store.pairs_needing_reference(10) if p["turn_index"] == 3]
+    assert pair["chosen_source"] == "student" and json.loads(pair["chosen_ids"]) == [11, 12, 13]
+    assert json.loads(pair["context_ids"]) == [2, 7, 1, 8]  # the context the chosen side continues
+    store.close()
 
 
 def test_a_student_sample_is_read_as_the_students_turn_not_as_a_review_answer():

@@ -448,6 +448,13 @@ class OnPolicyConfig(BaseConfig):
     """Drop the pair when no student sample matches the majority (instead of using the teacher's
     action, rendered in the student's format, as the chosen side)."""
 
+    send_token_ids: bool = False
+    """Sample the student from the pair's exact context, the trace's ``prompt_token_ids``, on
+    ``/completions`` (``return_token_ids``), instead of from the chat: the chosen side then
+    continues exactly the context ids the pair is trained on (a chat is rendered again by the
+    server's template, e.g. its own tool-call layout). A step whose trace has no ids is sampled
+    with the chat."""
+
     retry: RetryConfig = RetryConfig()
     """Time limit and retries of the student requests."""
 

@@ -373,24 +373,31 @@ class StudentSampler:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def sample(self, messages: list[dict[str, Any]], salt: str) -> list[StudentSample]:
-        """``num_samples`` samples at the state; [] when the call fails (logged: no on-policy side)."""
+    async def sample(
+        self, messages: list[dict[str, Any]], salt: str, token_ids: list[int] | None = None
+    ) -> list[StudentSample]:
+        """``num_samples`` samples at the state (from its exact context ``token_ids`` on
+        ``/completions`` when given); [] when the call fails (logged: no on-policy side)."""
         body = {
             "model": self.cfg.model,
-            "messages": messages,
             "n": self.cfg.num_samples,
             "temperature": self.cfg.temperature,
             "max_tokens": self.cfg.max_tokens,
             "seed": (self.seed * 1_000_003 + int(salt[:8], 16)) % (2**31),
             "return_token_ids": True,
         }
-        result = await self._client.chat_completion(body)
+        if token_ids is None:
+            result = await self._client.chat_completion({**body, "messages": messages})
+        else:
+            result = await self._client.post_json(
+                "/completions", {**body, "prompt": token_ids, "stream": False}
+            )
         if not result.ok:
             logger.warning("student samples failed: %s", result.error)
             return []
         samples = []
         for choice in result.data.get("choices", []):
-            message = choice.get("message") or {}
+            message = choice.get("message") or ({"content": choice["text"]} if "text" in choice else {})
             try:  # a student sample is a turn of the agent: read as the student's own turns are
                 action: Action | None = parse_agent_reply(message)
             except ParseError:

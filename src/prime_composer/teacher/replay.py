@@ -319,7 +319,8 @@ class Replayer:
         chosen_text, chosen_ids, source = render_action(label.chosen), None, "teacher"
         if self.student is not None:
             asked = agent_messages(trace, planned.turn_index)
-            samples = await self.student.sample(asked, salt=planned.state_hash)
+            exact = turn.prompt_token_ids if self.cfg.pairs.on_policy.send_token_ids else None
+            samples = await self.student.sample(asked, salt=planned.state_hash, token_ids=exact or None)
             match = next(
                 (s for s in samples if s.action is not None and s.action.key == label.chosen.key), None
             )
