@@ -100,7 +100,6 @@ from typing import Any
 from prime_composer.config.inference import InferenceConfig
 from prime_composer.config.ports import free_port
 from prime_composer.config.teacher import TeacherServiceConfig, TraceSourceConfig
-from prime_composer.health import wait_healthy
 from prime_composer.inference.local import running_app
 from prime_composer.teacher.budget import Budget
 from prime_composer.teacher.fakes import fake_teacher_app
@@ -430,33 +429,18 @@ def llm_teacher_models(directory: Path, steps: dict[str, int]) -> dict[str, Path
 
 @contextlib.contextmanager
 def served_models(models: dict[str, Path], directory: Path) -> Iterator[dict[str, str]]:
-    """Each model behind the embedded inference server on a free loopback port: name -> base URL."""
-    urls: dict[str, str] = {}
+    """Each model behind the embedded inference server on a free loopback port (``eval``'s
+    ``serving``): name -> OpenAI base URL (``.../v1``)."""
+    from prime_composer.eval.main import serving
+
     with contextlib.ExitStack() as stack:
+        urls = {}
         for name, path in models.items():
-            port = free_port("127.0.0.1")
             config = InferenceConfig.model_validate(
-                {"model": {"name": str(path)}, "output_dir": str(directory / name), "port": port,
+                {"model": {"name": str(path)}, "output_dir": str(directory / name), "port": free_port("127.0.0.1"),
                  "served_model_name": name, "num_threads": 1}
             )  # fmt: skip
-            path_json = directory / f"{name}-inference.json"
-            path_json.write_text(json.dumps(config.model_dump(mode="json")))
-            log = stack.enter_context(open(directory / f"{name}-inference.log", "w"))
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "prime_composer.inference.main", "@", str(path_json)],
-                stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-            stack.callback(proc.wait)
-            stack.callback(proc.terminate)
-            waited = wait_healthy(
-                f"http://127.0.0.1:{port}/health", 300, poll_s=0.5,
-                give_up=lambda proc=proc: None if proc.poll() is None else f"exited {proc.returncode}",
-            )  # fmt: skip
-            if not waited.healthy:
-                log.flush()
-                tail = (directory / f"{name}-inference.log").read_text()[-3000:]
-                raise RuntimeError(f"the {name} teacher's server did not start ({waited.reason}):\n{tail}")
-            urls[name] = f"http://127.0.0.1:{port}"
+            urls[name] = stack.enter_context(serving(config, directory / f"{name}-inference.log"))
         yield urls
 
 
@@ -602,7 +586,7 @@ def llm_pool(stack: contextlib.ExitStack, args: argparse.Namespace) -> list[dict
     urls = stack.enter_context(served_models(models, logs))
     # max_tokens as the quickstart samples (an edit_file call is ~110 characters, a token each).
     return [
-        {"name": n, "base_url": f"{u}/v1", "model": n, "protocol": "agent", "send_token_ids": True, "input_usd_per_m": LLM_PRICES[n][0], "output_usd_per_m": LLM_PRICES[n][1], "max_concurrency": 4, "max_tokens": 160}
+        {"name": n, "base_url": u, "model": n, "protocol": "agent", "send_token_ids": True, "input_usd_per_m": LLM_PRICES[n][0], "output_usd_per_m": LLM_PRICES[n][1], "max_concurrency": 4, "max_tokens": 160}
         for n, u in urls.items()
     ]  # fmt: skip
 

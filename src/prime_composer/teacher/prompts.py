@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 from prime_composer.teacher.actions import render_action, turn_action
 from prime_composer.teacher.traces import Trace, Turn
+
+_Message = TypeVar("_Message", dict[str, str], dict[str, Any])
 
 NEXT_ACTION = "What is the single best next action? Reply with one JSON object."
 
@@ -87,10 +89,7 @@ def student_messages(trace: Trace, turn_index: int) -> list[dict[str, str]]:
             messages.append({"role": "assistant", "content": _assistant_text(turn)})
         else:
             messages.append({"role": turn.role, "content": turn.content})
-    if not any(t.role == "user" for t in turns) and trace.record.task:
-        after_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
-        messages.insert(after_system, {"role": "user", "content": _task_text(trace.record.task)})
-    return messages
+    return _with_task(trace, turns, messages)
 
 
 def agent_messages(trace: Trace, turn_index: int) -> list[dict[str, Any]]:
@@ -145,7 +144,13 @@ def agent_messages(trace: Trace, turn_index: int) -> list[dict[str, Any]]:
         else:
             messages.append({"role": turn.role, "content": turn.content})
     close()
-    if not any(t.role == "user" for t in trace.turns[:turn_index]) and trace.record.task:
+    return _with_task(trace, trace.turns[:turn_index], messages)
+
+
+def _with_task(trace: Trace, turns: list[Turn], messages: list[_Message]) -> list[_Message]:
+    """``messages`` with the trace's task as a user message after the system one, when ``turns``
+    (the state) hold no user turn."""
+    if not any(t.role == "user" for t in turns) and trace.record.task:
         after_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
         messages.insert(after_system, {"role": "user", "content": _task_text(trace.record.task)})
     return messages
